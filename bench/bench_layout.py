@@ -1,0 +1,47 @@
+"""Time BucketLayout.from_params on a 1,000-leaf pytree (target: < 1 s).
+
+Run: python bench/bench_layout.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp import BucketLayout, DDPConfig
+
+
+def tree(n_leaves: int):
+    shapes = [(256, 256), (256,), (64, 1024), (1024,)]
+    return {
+        f"layer_{i:04d}": jax.ShapeDtypeStruct(shapes[i % 4], jnp.bfloat16) for i in range(n_leaves)
+    }
+
+
+def main(n_leaves: int = 1000, repeats: int = 7) -> dict[str, float]:
+    params = tree(n_leaves)
+    out = {}
+    for kind in ("contiguous", "megatron", "interleaved"):
+        cfg = DDPConfig(
+            zero_stage=0 if kind == "contiguous" else 1,
+            bucket_size=1_000_000,
+            bucket_layout="megatron" if kind == "megatron" else "interleaved",
+        )
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            lay = BucketLayout.from_params(params, cfg, dp_size=8)
+            times.append(time.perf_counter() - t0)
+        out[kind] = statistics.median(times)
+        print(
+            f"{kind:12s} {n_leaves} leaves -> {len(lay.buckets)} buckets: "
+            f"median {1e3 * out[kind]:.1f} ms over {repeats} runs"
+        )
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""jaxdp: Megatron-style data-parallel gradient machinery for JAX.
+
+Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard_map``.
+"""
+
+from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
+from ._config import DDPConfig as DDPConfig
+from ._config import default_bucket_size as default_bucket_size
+from ._layout import Bucket as Bucket
+from ._layout import BucketLayout as BucketLayout
+from ._layout import Buffer as Buffer
+from ._layout import ParamSlot as ParamSlot
+from ._layout import path_str as path_str
+from ._mesh import dp_size as dp_size
+from ._mesh import make_mesh as make_mesh
+from ._padding import bucket_end_divisor as bucket_end_divisor
+from ._padding import pad_bucket_end as pad_bucket_end
+from ._padding import pad_param_start as pad_param_start
+from ._padding import pad_to_divisor as pad_to_divisor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AUTO_BUCKET_SIZE",
+    "Bucket",
+    "BucketLayout",
+    "Buffer",
+    "DDPConfig",
+    "ParamSlot",
+    "bucket_end_divisor",
+    "default_bucket_size",
+    "dp_size",
+    "make_mesh",
+    "pad_bucket_end",
+    "pad_param_start",
+    "pad_to_divisor",
+    "path_str",
+]

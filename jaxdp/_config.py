@@ -1,0 +1,388 @@
+"""``DDPConfig``: the validated, frozen configuration of jaxdp's gradient machinery.
+
+Field names follow Megatron-LM's ``DistributedDataParallelConfig`` where one exists, so a Megatron
+user can carry settings over. Every value is checked in ``__post_init__`` and a bad one raises a
+``ValueError`` or ``TypeError`` that names the field, shows what was given, says what is allowed
+and how to fix it, before anything is traced or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import math
+import os
+from typing import Any, Final, Literal
+
+import numpy as np
+import yaml
+
+__all__ = ["DDPConfig", "AUTO_BUCKET_SIZE", "default_bucket_size"]
+
+#: Value of ``DDPConfig.bucket_size`` that means "Megatron's default, resolved once dp is known".
+AUTO_BUCKET_SIZE: Final = "auto"
+
+_LAYOUTS = ("interleaved", "megatron")
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def default_bucket_size(dp_size: int) -> int:
+    """Megatron's default bucket size in elements: ``max(40_000_000, 1_000_000 * dp_size)``.
+
+    Example:
+        >>> default_bucket_size(8)
+        40000000
+        >>> default_bucket_size(64)
+        64000000
+    """
+    return max(40_000_000, 1_000_000 * int(dp_size))
+
+
+def _err(field: str, value: Any, expected: str, fix: str, exc: type[Exception] = ValueError):
+    return exc(f"DDPConfig.{field}: got {value!r}; expected {expected}. Fix: {fix}")
+
+
+def _check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise _err(
+            field,
+            value,
+            "a bool (True or False)",
+            f"pass {field}=True or {field}=False",
+            TypeError,
+        )
+
+
+def _canonical_dtype(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        name = np.dtype(value).name
+    except TypeError:
+        name = None
+    if name is None or name not in _FLOAT_DTYPES:
+        raise _err(
+            "param_dtype",
+            value,
+            f"None (keep the params' own dtypes) or a floating dtype name, one of {_FLOAT_DTYPES}",
+            "pass e.g. param_dtype='bfloat16' (or jnp.bfloat16)",
+            TypeError if name is None else ValueError,
+        )
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """Configuration of bucketed gradient reduction, FP32 accumulation and ZeRO sharding.
+
+    Attributes:
+        zero_stage: 0 = all-reduce DDP with a replicated optimizer; 1 = distributed optimizer
+            (optimizer state and fp32 master weights sharded over ``data_axis``, gradients
+            reduce-scattered, params all-gathered); 2 = stage 1 plus a sharded gradient
+            accumulator (a reduce-scatter per micro-batch); 3 = stage 2 plus sharded params.
+        bucket_size: Elements per bucket. ``"auto"`` (default) resolves to Megatron's
+            ``max(40_000_000, 1_000_000 * dp)`` once the data-parallel size is known; ``None``
+            means one bucket per buffer. A bucket closes once its element count reaches this
+            value, counted after the parameter that crosses it.
+        overlap_grad_reduce: Keep several buckets so that XLA can overlap their collectives with
+            the backward pass. As in Megatron, ``False`` forces one bucket per buffer.
+        average_in_collective: Average inside the collective (``pmean``) instead of pre-scaling
+            the gradients by ``1/dp`` and summing.
+        grad_reduce_in_fp32: Cast gradients to fp32 before the reduction (fp32 on the wire, fp32
+            gradient buffers).
+        reduce_scatter_with_fp32_accumulation: Megatron's variant: gradients travel in their own
+            (e.g. bf16) dtype with an ``all_to_all`` and each rank sums its shard in fp32, then
+            casts once. Needs a distributed optimizer (``zero_stage >= 1``).
+        pad_buckets_for_high_nccl_busbw: Pad bucket ends to ``lcm(dp, 128, 2**16)`` elements
+            instead of ``lcm(dp, 128)`` (distributed optimizer only).
+        check_for_nan_in_grad: Check each bucket's local gradients for NaN/Inf before the
+            collective and raise ``FloatingPointError`` naming the parameters.
+        clip_grad: Maximum global L2 norm of the gradients; ``None`` or ``0`` turns clipping off.
+        num_microbatches: Micro-batches accumulated per step (gradient accumulation).
+        calculate_per_token_loss: ``loss_fn`` returns ``(loss_sum, num_tokens)`` and gradients
+            are normalised by the global token count.
+        param_dtype: Working dtype of the model params (e.g. ``"bfloat16"``); the optimizer owns
+            an fp32 master copy. ``None`` keeps the params' own dtypes.
+        data_axis: Name of the mesh axis that data parallelism runs over.
+        own_bucket_param_patterns: ``fnmatch`` patterns over parameter paths (``"a/b/c"``) of
+            parameters that get a bucket of their own (Megatron's ``shared_embedding``, for tied
+            embeddings), e.g. ``("*embedding*",)``.
+        bucket_layout: ``"interleaved"`` (default with a distributed optimizer: every parameter
+            is split into ``dp`` equal pieces and rank ``r`` owns piece ``r`` of every parameter,
+            so optimizer state keeps the params' tree structure) or ``"megatron"`` (contiguous
+            buckets cut into ``dp`` contiguous shards, Megatron's exact padding rules).
+
+    Example:
+        >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
+        >>> cfg.resolve_bucket_size(dp_size=8)
+        1000000
+        >>> DDPConfig().resolve_bucket_size(dp_size=64)
+        64000000
+    """
+
+    zero_stage: int = 0
+    bucket_size: int | Literal["auto"] | None = AUTO_BUCKET_SIZE
+    overlap_grad_reduce: bool = True
+    average_in_collective: bool = False
+    grad_reduce_in_fp32: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    pad_buckets_for_high_nccl_busbw: bool = False
+    check_for_nan_in_grad: bool = False
+    clip_grad: float | None = None
+    num_microbatches: int = 1
+    calculate_per_token_loss: bool = False
+    param_dtype: str | None = None
+    data_axis: str = "data"
+    own_bucket_param_patterns: tuple[str, ...] = ()
+    bucket_layout: Literal["interleaved", "megatron"] = "interleaved"
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        self._check_fields()
+        self._check_combinations()
+
+    def _check_fields(self) -> None:
+        z = self.zero_stage
+        if isinstance(z, bool) or not isinstance(z, (int, np.integer)):
+            raise _err("zero_stage", z, "an int in {0, 1, 2, 3}", "pass zero_stage=0..3", TypeError)
+        if z not in (0, 1, 2, 3):
+            raise _err(
+                "zero_stage",
+                z,
+                "0 (DDP), 1 (sharded optimizer), 2 (+ sharded grads) or 3 (+ sharded params)",
+                "pick one of 0, 1, 2, 3",
+            )
+        object.__setattr__(self, "zero_stage", int(z))
+
+        bs = self.bucket_size
+        if bs is not None and bs != AUTO_BUCKET_SIZE:
+            if isinstance(bs, bool) or not isinstance(bs, (int, np.integer)):
+                raise _err(
+                    "bucket_size",
+                    bs,
+                    "a positive int (elements), None (one bucket per buffer) or 'auto'",
+                    "pass e.g. bucket_size=40_000_000",
+                    TypeError,
+                )
+            if bs <= 0:
+                raise _err(
+                    "bucket_size",
+                    bs,
+                    "a positive number of elements",
+                    "use bucket_size=None for a single bucket, or a count > 0",
+                )
+            object.__setattr__(self, "bucket_size", int(bs))
+
+        for name in (
+            "overlap_grad_reduce",
+            "average_in_collective",
+            "grad_reduce_in_fp32",
+            "reduce_scatter_with_fp32_accumulation",
+            "pad_buckets_for_high_nccl_busbw",
+            "check_for_nan_in_grad",
+            "calculate_per_token_loss",
+        ):
+            _check_bool(name, getattr(self, name))
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+        cg = self.clip_grad
+        if cg is not None:
+            if isinstance(cg, bool) or not isinstance(cg, (int, float, np.integer, np.floating)):
+                raise _err(
+                    "clip_grad",
+                    cg,
+                    "None (off) or a non-negative float (max global L2 norm)",
+                    "pass e.g. clip_grad=1.0",
+                    TypeError,
+                )
+            if not math.isfinite(cg) or cg < 0:
+                raise _err(
+                    "clip_grad",
+                    cg,
+                    "a finite, non-negative max norm (0 or None turn clipping off)",
+                    "pass e.g. clip_grad=1.0, or clip_grad=None to disable",
+                )
+            object.__setattr__(self, "clip_grad", float(cg) if cg > 0 else None)
+
+        m = self.num_microbatches
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+            raise _err(
+                "num_microbatches", m, "a positive int", "pass e.g. num_microbatches=4", TypeError
+            )
+        if m < 1:
+            raise _err(
+                "num_microbatches",
+                m,
+                "an int >= 1 (1 = no gradient accumulation)",
+                "pass num_microbatches=1 or more",
+            )
+        object.__setattr__(self, "num_microbatches", int(m))
+
+        object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype))
+
+        ax = self.data_axis
+        if not isinstance(ax, str):
+            raise _err(
+                "data_axis",
+                ax,
+                "the str name of a mesh axis",
+                "pass e.g. data_axis='data'",
+                TypeError,
+            )
+        if not ax:
+            raise _err("data_axis", ax, "a non-empty mesh axis name", "pass e.g. data_axis='data'")
+
+        pats = self.own_bucket_param_patterns
+        if isinstance(pats, str) or not isinstance(pats, (tuple, list)):
+            raise _err(
+                "own_bucket_param_patterns",
+                pats,
+                "a tuple of fnmatch pattern strings over parameter paths",
+                "wrap a single pattern in a tuple, e.g. ('*embedding*',)",
+                TypeError,
+            )
+        for p in pats:
+            if not isinstance(p, str) or not p:
+                raise _err(
+                    "own_bucket_param_patterns",
+                    pats,
+                    "non-empty pattern strings only",
+                    f"remove or fix the entry {p!r}",
+                    TypeError,
+                )
+        object.__setattr__(self, "own_bucket_param_patterns", tuple(pats))
+
+        if self.bucket_layout not in _LAYOUTS:
+            raise _err(
+                "bucket_layout",
+                self.bucket_layout,
+                f"one of {_LAYOUTS}",
+                "use 'interleaved' (optimizer state keeps the params' structure) or 'megatron'",
+            )
+
+    def _check_combinations(self) -> None:
+        if self.reduce_scatter_with_fp32_accumulation:
+            if self.zero_stage == 0:
+                raise _err(
+                    "reduce_scatter_with_fp32_accumulation",
+                    True,
+                    "a distributed optimizer (zero_stage >= 1); with zero_stage=0 gradients are "
+                    "all-reduced, not reduce-scattered",
+                    "set zero_stage=1 (or 2/3), or grad_reduce_in_fp32=True for an fp32 all-reduce",
+                )
+            if self.average_in_collective:
+                raise _err(
+                    "reduce_scatter_with_fp32_accumulation",
+                    True,
+                    "a SUM reduction, but average_in_collective=True asks for an AVG collective "
+                    "(Megatron asserts the same)",
+                    "set average_in_collective=False (gradients are pre-scaled by 1/dp instead)",
+                )
+            if self.grad_reduce_in_fp32:
+                raise _err(
+                    "reduce_scatter_with_fp32_accumulation",
+                    True,
+                    "low-precision gradients, but grad_reduce_in_fp32=True already reduces in fp32",
+                    "keep only one of grad_reduce_in_fp32 / reduce_scatter_with_fp32_accumulation",
+                )
+        if self.calculate_per_token_loss and self.average_in_collective:
+            raise _err(
+                "calculate_per_token_loss",
+                True,
+                "a SUM reduction normalised by the global token count; average_in_collective=True "
+                "would divide by dp as well (Megatron rejects this combination)",
+                "set average_in_collective=False",
+            )
+        if self.pad_buckets_for_high_nccl_busbw and self.zero_stage == 0:
+            raise _err(
+                "pad_buckets_for_high_nccl_busbw",
+                True,
+                "a distributed optimizer (zero_stage >= 1); stage-0 buckets are not padded",
+                "set zero_stage >= 1 or drop pad_buckets_for_high_nccl_busbw",
+            )
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        """Megatron's name for ``zero_stage >= 1``."""
+        return self.zero_stage >= 1
+
+    def resolve_bucket_size(self, dp_size: int) -> int | None:
+        """The bucket size in elements for ``dp_size`` ranks (``None`` = one bucket per buffer).
+
+        ``"auto"`` becomes ``max(40_000_000, 1_000_000 * dp_size)``; with
+        ``overlap_grad_reduce=False`` every buffer is a single bucket, as in Megatron.
+        """
+        if not self.overlap_grad_reduce or self.bucket_size is None:
+            return None
+        if self.bucket_size == AUTO_BUCKET_SIZE:
+            return default_bucket_size(dp_size)
+        return int(self.bucket_size)
+
+    def owns_bucket(self, path: str) -> bool:
+        """Whether the parameter at ``path`` matches ``own_bucket_param_patterns``."""
+        return any(fnmatch.fnmatchcase(path, p) for p in self.own_bucket_param_patterns)
+
+    def replace(self, **changes: Any) -> DDPConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ YAML
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python dict of every field (tuples become lists)."""
+        out = dataclasses.asdict(self)
+        out["own_bucket_param_patterns"] = list(self.own_bucket_param_patterns)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "mapping") -> DDPConfig:
+        """Build a config from a mapping, rejecting unknown keys by name."""
+        if not isinstance(data, dict):
+            raise TypeError(
+                f"DDPConfig.from_dict: {source} holds a {type(data).__name__}; expected a mapping "
+                "of field names to values. Fix: write the file as 'field: value' lines."
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in data if k not in names]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(str(k), names, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(
+                f"DDPConfig: unknown key(s) in {source}: {', '.join(hints)}; expected only "
+                f"{names}. Fix: rename or remove them."
+            )
+        kwargs = dict(data)
+        if isinstance(kwargs.get("own_bucket_param_patterns"), list):
+            kwargs["own_bucket_param_patterns"] = tuple(kwargs["own_bucket_param_patterns"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> DDPConfig:
+        """Load a config from a YAML file of ``field: value`` lines.
+
+        Example:
+            >>> import tempfile, pathlib
+            >>> p = pathlib.Path(tempfile.mkdtemp()) / "ddp.yaml"
+            >>> DDPConfig(zero_stage=2, clip_grad=1.0).to_yaml(p)
+            >>> DDPConfig.from_yaml(p).zero_stage
+            2
+        """
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        if data is None:
+            data = {}
+        return cls.from_dict(data, source=str(path))
+
+    def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str | None:
+        """Write the config as YAML to ``path``, or return the YAML text when ``path`` is None."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is None:
+            return text
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return None

@@ -1,0 +1,57 @@
+"""``make_mesh``: the 1-D data-parallel device mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+__all__ = ["make_mesh", "dp_size"]
+
+
+def make_mesh(devices: Sequence[Any] | Mesh | None = None, axis: str = "data") -> Mesh:
+    """A 1-D :class:`jax.sharding.Mesh` over ``devices`` (default: all devices) named ``axis``.
+
+    Args:
+        devices: ``None`` for every device of every process, a sequence of devices, or an
+            existing ``Mesh``, which is returned as is once it is checked to have ``axis``.
+        axis: name of the data-parallel axis (``DDPConfig.data_axis``).
+
+    Example:
+        >>> import jax
+        >>> mesh = make_mesh()
+        >>> mesh.axis_names, mesh.shape["data"] == jax.device_count()
+        (('data',), True)
+    """
+    if not isinstance(axis, str) or not axis:
+        raise ValueError(
+            f"make_mesh: axis={axis!r}; expected a non-empty axis name. Fix: axis='data'."
+        )
+    if isinstance(devices, Mesh):
+        if axis not in devices.axis_names:
+            raise ValueError(
+                f"make_mesh: the mesh has axes {devices.axis_names}; expected one named {axis!r}. "
+                f"Fix: pass axis=<one of {devices.axis_names}> or build the mesh with it."
+            )
+        return devices
+    if devices is None:
+        return jax.make_mesh((jax.device_count(),), (axis,))
+    devs = list(devices)
+    if not devs:
+        raise ValueError("make_mesh: devices is empty; expected at least one device.")
+    if len({id(d) for d in devs}) != len(devs):
+        raise ValueError(f"make_mesh: devices contains duplicates: {devs}.")
+    return Mesh(np.asarray(devs, dtype=object), (axis,))
+
+
+def dp_size(mesh: Mesh, axis: str = "data") -> int:
+    """Size of ``axis`` in ``mesh`` (the data-parallel world size)."""
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"dp_size: the mesh has axes {mesh.axis_names}; expected one named {axis!r}. "
+            "Fix: set DDPConfig.data_axis to the mesh's data axis."
+        )
+    return int(mesh.shape[axis])
