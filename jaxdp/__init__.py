@@ -6,6 +6,8 @@ Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._config import DDPConfig as DDPConfig
 from ._config import default_bucket_size as default_bucket_size
+from ._engine import DataParallel as DataParallel
+from ._engine import TrainState as TrainState
 from ._layout import Bucket as Bucket
 from ._layout import BucketLayout as BucketLayout
 from ._layout import Buffer as Buffer
@@ -17,6 +19,10 @@ from ._padding import bucket_end_divisor as bucket_end_divisor
 from ._padding import pad_bucket_end as pad_bucket_end
 from ._padding import pad_param_start as pad_param_start
 from ._padding import pad_to_divisor as pad_to_divisor
+from ._reduce import all_to_all_fp32_reduce_scatter as all_to_all_fp32_reduce_scatter
+from ._reduce import reduce_buckets as reduce_buckets
+from ._reduce import reduce_gradients as reduce_gradients
+from ._reduce import ring_reduce_scatter as ring_reduce_scatter
 
 __version__ = "0.1.0"
 
@@ -26,7 +32,10 @@ __all__ = [
     "BucketLayout",
     "Buffer",
     "DDPConfig",
+    "DataParallel",
     "ParamSlot",
+    "TrainState",
+    "all_to_all_fp32_reduce_scatter",
     "bucket_end_divisor",
     "default_bucket_size",
     "dp_size",
@@ -35,4 +44,7 @@ __all__ = [
     "pad_param_start",
     "pad_to_divisor",
     "path_str",
+    "reduce_buckets",
+    "reduce_gradients",
+    "ring_reduce_scatter",
 ]

@@ -416,6 +416,80 @@ class BucketLayout:
                     leaves[i] = arr[s.start - b.start : s.end - b.start].reshape(s.shape)
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
+    # ------------------------------------------------------------------ shards
+    # A "shard view" is what a distributed optimizer sees. Locally (inside shard_map) it is
+    # rank r's shard of every bucket; globally it is the concatenation over ranks, sharded
+    # along axis 0 of every leaf. "interleaved": a pytree like the params whose leaves are 1-D
+    # (globally: the flattened parameter zero-padded to a multiple of dp; locally: piece r).
+    # "megatron": a tuple with one 1-D array per bucket (globally: the packed bucket).
+    def _require_sharded(self, what: str) -> None:
+        if self.kind == "contiguous":
+            raise ValueError(
+                f"BucketLayout.{what}: a contiguous (zero_stage=0) layout has no shards. "
+                "Fix: build the layout with DDPConfig(zero_stage >= 1)."
+            )
+
+    def shard_view(self, shards: Any) -> Any:
+        """Rank-local bucket shards (``numel // dp`` each) -> the optimizer's local view."""
+        self._require_sharded("shard_view")
+        shards = tuple(shards)
+        if self.kind == "megatron":
+            return shards
+        leaves: list[Any] = [None] * len(self.slots)
+        for b, x in zip(self.buckets, shards, strict=True):
+            for i in b.slots:
+                s = self.slots[i]
+                leaves[i] = x[s.start - b.start : s.end - b.start]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def shard_unview(self, view: Any, dtype: Any = None) -> tuple[jax.Array, ...]:
+        """Inverse of :meth:`shard_view`: local view -> one shard per bucket (padding is zero)."""
+        self._require_sharded("shard_unview")
+        if self.kind == "megatron":
+            return tuple(
+                v.astype(dtype if dtype is not None else b.dtype)
+                for v, b in zip(view, self.buckets, strict=True)
+            )
+        leaves = jax.tree_util.tree_leaves(view)
+        out = []
+        for b in self.buckets:
+            dt = jnp.dtype(dtype if dtype is not None else b.dtype)
+            pieces, cursor = [], b.start
+            for i in b.slots:
+                s = self.slots[i]
+                if s.start > cursor:
+                    pieces.append(jnp.zeros((s.start - cursor,), dt))
+                pieces.append(leaves[i].astype(dt))
+                cursor = s.end
+            if b.end > cursor:
+                pieces.append(jnp.zeros((b.end - cursor,), dt))
+            out.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
+        return tuple(out)
+
+    def to_global_view(self, tree: Any, dtype: Any = None) -> Any:
+        """Full params-shaped pytree -> the global shard view (shard it along axis 0)."""
+        self._require_sharded("to_global_view")
+        if self.kind == "megatron":
+            return self.pack(tree, dtype)
+        leaves = self._check_tree(tree, "to_global_view")
+        out = []
+        for s, leaf in zip(self.slots, leaves, strict=True):
+            flat = jnp.ravel(leaf)
+            if dtype is not None:
+                flat = flat.astype(dtype)
+            padded = (s.end - s.start) * self.dp_size
+            out.append(jnp.pad(flat, (0, padded - s.size)) if padded > s.size else flat)
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def from_global_view(self, view: Any) -> Any:
+        """Inverse of :meth:`to_global_view`: global shard view -> params-shaped pytree."""
+        self._require_sharded("from_global_view")
+        if self.kind == "megatron":
+            return self.unpack(tuple(view))
+        leaves = jax.tree_util.tree_leaves(view)
+        out = [leaf[: s.size].reshape(s.shape) for s, leaf in zip(self.slots, leaves, strict=True)]
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
     # ------------------------------------------------------------------ report
     def summary(self) -> str:
         """A table of buckets: index, buffer, dtypes, params, numel, padding %, MiB."""

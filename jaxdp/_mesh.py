@@ -7,13 +7,17 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 __all__ = ["make_mesh", "dp_size"]
 
 
 def make_mesh(devices: Sequence[Any] | Mesh | None = None, axis: str = "data") -> Mesh:
     """A 1-D :class:`jax.sharding.Mesh` over ``devices`` (default: all devices) named ``axis``.
+
+    The axis is of type ``Auto``: jaxdp places every array explicitly (``NamedSharding``) and
+    does its collectives by hand inside ``shard_map``, and ``Auto`` lets a user's batch arrive
+    with any sharding.
 
     Args:
         devices: ``None`` for every device of every process, a sequence of devices, or an
@@ -38,13 +42,13 @@ def make_mesh(devices: Sequence[Any] | Mesh | None = None, axis: str = "data") -
             )
         return devices
     if devices is None:
-        return jax.make_mesh((jax.device_count(),), (axis,))
+        return jax.make_mesh((jax.device_count(),), (axis,), axis_types=(AxisType.Auto,))
     devs = list(devices)
     if not devs:
         raise ValueError("make_mesh: devices is empty; expected at least one device.")
     if len({id(d) for d in devs}) != len(devs):
         raise ValueError(f"make_mesh: devices contains duplicates: {devs}.")
-    return Mesh(np.asarray(devs, dtype=object), (axis,))
+    return Mesh(np.asarray(devs, dtype=object), (axis,), axis_types=(AxisType.Auto,))
 
 
 def dp_size(mesh: Mesh, axis: str = "data") -> int:

@@ -1,0 +1,473 @@
+"""``DataParallel``: a jitted training step with bucketed gradient reduction and ZeRO 0-2.
+
+One step, all in one XLA program:
+
+1. ``shard_map`` over the data axis: each rank computes the gradient of its local batch with
+   respect to a *varying* copy of the replicated params (so autodiff inserts no collective),
+   accumulating micro-batches ``1..G-1`` in a ``lax.scan`` into flat fp32 bucket buffers with no
+   communication; the last micro-batch is peeled out of the scan so that its backward pass and
+   the bucket collectives sit in one straight-line region XLA can overlap. Then one collective
+   per bucket: all-reduce (stage 0) or reduce-scatter (stages 1-2). Stage 2 reduce-scatters
+   every micro-batch into a sharded accumulator instead (``G`` times the communication,
+   ``1/dp`` of the accumulator memory).
+2. Global-norm clipping (fp32 norm over all shards) and the optax update, on sharded arrays
+   (stages >= 1: rank ``r`` updates its shard of the fp32 master weights and optimizer state).
+3. Stages >= 1: one all-gather per bucket rebuilds the working params in ``param_dtype``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._config import DDPConfig
+from ._layout import BucketLayout
+from ._mesh import dp_size as _dp_size
+from ._mesh import make_mesh
+from ._optim_check import check_optimizer
+from ._reduce import reduce_buckets
+
+__all__ = ["DataParallel", "TrainState"]
+
+
+class TrainState(NamedTuple):
+    """The training state, a pytree of globally sharded arrays.
+
+    Attributes:
+        step: number of completed steps (int32 scalar, replicated).
+        params: working params in ``param_dtype``, replicated (what the forward pass uses).
+        master: fp32 master weights. ``None`` at stage 0 when the params are already fp32;
+            replicated params-shaped tree at stage 0; at stages >= 1 the layout's sharded view
+            (interleaved: each parameter flattened and zero-padded to a multiple of dp,
+            sharded over the data axis).
+        opt_state: the optax state of ``master`` (or of ``params`` when ``master`` is None),
+            sharded like it.
+    """
+
+    step: jax.Array
+    params: Any
+    master: Any
+    opt_state: Any
+
+
+def _count_leading(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    out = []
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = tuple(np.shape(leaf))
+        dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype)).name
+        out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
+    return out
+
+
+class _Step:
+    """The jitted step plus the host-side checks (batch validation, NaN report)."""
+
+    def __init__(self, engine: DataParallel, jitted: Any):
+        self._engine = engine
+        self._jitted = jitted
+
+    def lower(self, state: TrainState, batch: Any) -> Any:
+        """``jax.jit(...).lower`` of the step, for inspection and AOT compilation."""
+        self._engine._check_batch(batch)
+        return self._jitted.lower(state, batch)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        eng = self._engine
+        eng._check_batch(batch)
+        new_state, metrics = self._jitted(state, batch)
+        if eng.config.check_for_nan_in_grad:
+            bad = np.asarray(metrics.pop("nonfinite_ranks"))
+            if bad.any():
+                paths = [eng.layout.slots[i].path for i in np.flatnonzero(bad)]
+                err = FloatingPointError(
+                    f"DataParallel.step: NaN or Inf in the local gradients of {paths} at step "
+                    f"{int(np.asarray(new_state.step))} (on {int(bad.max())} of {eng.dp} "
+                    "ranks), found before the reduction. "
+                    "The update was skipped; the last good state is in this exception's "
+                    "`.state` attribute (the input state was donated)."
+                )
+                err.state = new_state  # type: ignore[attr-defined]
+                err.paths = paths  # type: ignore[attr-defined]
+                raise err
+        return new_state, metrics
+
+
+class DataParallel:
+    """Data-parallel training with Megatron's gradient machinery.
+
+    Args:
+        loss_fn: ``loss_fn(params, microbatch) -> loss`` (mean over the micro-batch) or
+            ``-> (loss, aux)``; with ``config.calculate_per_token_loss`` it returns
+            ``(loss_sum, num_tokens)``.
+        optimizer: an ``optax.GradientTransformation``.
+        config: a :class:`DDPConfig`.
+        mesh: a mesh with ``config.data_axis`` (default: :func:`make_mesh` over all devices).
+        donate: donate the input state to the step (saves a copy of params and optimizer
+            state; the input state is unusable afterwards).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from jaxdp import DataParallel, DDPConfig
+        >>> def loss_fn(params, batch):
+        ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+        >>> dp = DataParallel(loss_fn, optax.sgd(0.1), DDPConfig(zero_stage=1))
+        >>> state = dp.init({"w": jnp.zeros((4, 1))})
+        >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.ones((16, 1))}
+        >>> state, metrics = dp.step(state, dp.shard_batch(batch))
+        >>> round(float(metrics["loss"]), 3)
+        1.0
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
+        config: DDPConfig,
+        mesh: Any = None,
+        *,
+        donate: bool = True,
+    ):
+        if not callable(loss_fn):
+            raise TypeError(
+                f"DataParallel: loss_fn is a {type(loss_fn).__name__}; expected a callable "
+                "loss_fn(params, microbatch) -> loss. Fix: pass the function itself."
+            )
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(
+                f"DataParallel: optimizer is a {type(optimizer).__name__}; expected an "
+                "optax.GradientTransformation (with init and update). Fix: e.g. optax.adamw(1e-3)."
+            )
+        if not isinstance(config, DDPConfig):
+            raise TypeError(
+                f"DataParallel: config is a {type(config).__name__}; expected a jaxdp.DDPConfig. "
+                "Fix: config=DDPConfig(...) or DDPConfig.from_yaml(path)."
+            )
+        if config.zero_stage == 3:
+            raise NotImplementedError(
+                "DataParallel: zero_stage=3 (sharded params) is not implemented yet; expected "
+                "zero_stage in {0, 1, 2}. Fix: use zero_stage=2 for sharded optimizer state and "
+                "gradients."
+            )
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.config = config
+        self.mesh = make_mesh(mesh, axis=config.data_axis)
+        self.dp = _dp_size(self.mesh, config.data_axis)
+        self.donate = donate
+        self._layout: BucketLayout | None = None
+        self._batch_sig: Any = None
+        self._step: _Step | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def layout(self) -> BucketLayout:
+        """The :class:`BucketLayout` of the params (available after :meth:`init`)."""
+        if self._layout is None:
+            raise RuntimeError(
+                "DataParallel.layout: the layout is built from the params; call init(params) "
+                "first (jax.eval_shape(dp.init, params) is enough)."
+            )
+        return self._layout
+
+    def _sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def _sharded(self) -> bool:
+        return self.config.zero_stage >= 1
+
+    # ------------------------------------------------------------------ init
+    def _master_dtype(self, layout: BucketLayout) -> Any:
+        return jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
+
+    def _build_layout(self, params: Any) -> BucketLayout:
+        layout = BucketLayout.from_params(params, self.config, self.dp)
+        if self._layout is not None and self._layout != layout:
+            raise ValueError(
+                "DataParallel.init: these params have a different structure, shapes or dtypes "
+                "than the ones this engine was initialised with. Fix: build a new DataParallel "
+                "for a different model."
+            )
+        check_optimizer(self.optimizer, layout, self._master_dtype(layout))
+        return layout
+
+    def _init_fn(self, params: Any) -> TrainState:
+        layout = self.layout
+        mdt = self._master_dtype(layout)
+        work_dt = [jnp.dtype(self.config.param_dtype or s.dtype) for s in layout.slots]
+        leaves = jax.tree_util.tree_leaves(params)
+        work = jax.tree_util.tree_unflatten(
+            layout.treedef, [jnp.asarray(x).astype(d) for x, d in zip(leaves, work_dt, strict=True)]
+        )
+        if self._sharded:
+            master = layout.to_global_view(params, mdt)
+        elif all(d == mdt for d in work_dt):
+            master = None
+        else:
+            master = jax.tree.map(lambda x: jnp.asarray(x).astype(mdt), params)
+        target = work if master is None else master
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=work,
+            master=master,
+            opt_state=self.optimizer.init(target),
+        )
+
+    def _state_shardings(self, abstract: TrainState) -> TrainState:
+        rep = self._sharding(P())
+        if not self._sharded:
+            return jax.tree.map(lambda _: rep, abstract)
+        shard = self._sharding(P(self.config.data_axis))
+        return TrainState(
+            step=rep,
+            params=jax.tree.map(lambda _: rep, abstract.params),
+            master=jax.tree.map(lambda _: shard, abstract.master),
+            opt_state=jax.tree.map(lambda x: shard if x.ndim >= 1 else rep, abstract.opt_state),
+        )
+
+    def init(self, params: Any) -> TrainState:
+        """Build the layout and the sharded :class:`TrainState` from a full params pytree.
+
+        Works under ``jax.eval_shape`` (then nothing is allocated).
+        """
+        self._layout = self._build_layout(params)
+        abstract = jax.eval_shape(self._init_fn, params)
+        shardings = self._state_shardings(abstract)
+        self._shardings = shardings
+        return jax.jit(self._init_fn, out_shardings=shardings)(params)
+
+    # ------------------------------------------------------------------ batches
+    def shard_batch(self, batch: Any) -> Any:
+        """Place a process-local batch on the mesh, split along the leading axis.
+
+        On one process this is the global batch; with several processes each passes its own
+        slice and the global batch is their concatenation in process order.
+        """
+        self._check_batch(batch, local=True)
+        sharding = self._sharding(P(self.config.data_axis))
+        if jax.process_count() == 1:
+            return jax.device_put(batch, sharding)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
+        )
+
+    def _check_batch(self, batch: Any, local: bool = False) -> None:
+        sig = _count_leading(batch)
+        if not sig:
+            raise ValueError(
+                "DataParallel.step: the batch has no array leaves; expected a pytree of arrays "
+                "whose leading axis is the global batch."
+            )
+        g, dp = self.config.num_microbatches, self.dp
+        div = g * (dp // jax.process_count() if local else dp)
+        lead = {s[1][0] if s[1] else None for s in sig}
+        if None in lead or len(lead) != 1:
+            raise ValueError(
+                "DataParallel.step: every batch leaf must share one leading (batch) axis; got "
+                f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."
+            )
+        n = lead.pop()
+        if n % div or n == 0:
+            raise ValueError(
+                f"DataParallel.step: the batch's leading dimension is {n}; expected a positive "
+                f"multiple of num_microbatches x dp = {g} x "
+                f"{div // g} = {div}. Fix: use a global batch of "
+                f"{max(div, n // div * div)} (or {(n // div + 1) * div})."
+            )
+        treedef = jax.tree_util.tree_structure(batch)
+        rest = [(p, sh[1:], dt) for p, sh, dt in sig]
+        if self._batch_sig is None:
+            self._batch_sig = (treedef, rest)
+            return
+        want_def, want_rest = self._batch_sig
+        if treedef != want_def:
+            raise ValueError(
+                f"DataParallel.step: the batch's tree structure {treedef} differs from the first "
+                f"batch's {want_def}. Fix: keep the same keys in every batch."
+            )
+        for (p, shape, dt), (_, wshape, wdt) in zip(rest, want_rest, strict=True):
+            if shape != wshape or dt != wdt:
+                raise ValueError(
+                    f"DataParallel.step: batch leaf {p} has per-example shape {shape} and dtype "
+                    f"{dt}; expected {wshape} and {wdt} as in the first batch. Fix: pad or cast "
+                    "the batch (a new shape would also force a recompilation)."
+                )
+
+    # ------------------------------------------------------------------ step
+    @property
+    def step(self) -> _Step:
+        """``step(state, batch) -> (state, metrics)``, jitted; has ``.lower(state, batch)``."""
+        if self._step is None:
+            self.layout  # noqa: B018 - raises a clear error before init
+            shardings = self._shardings
+            out = (shardings, self._sharding(P()))
+            jitted = jax.jit(
+                self._step_fn,
+                donate_argnums=(0,) if self.donate else (),
+                out_shardings=out,
+            )
+            self._step = _Step(self, jitted)
+        return self._step
+
+    def _loss_parts(self, params: Any, mb: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        out = self.loss_fn(params, mb)
+        if self.config.calculate_per_token_loss:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError(
+                    "DataParallel: with calculate_per_token_loss=True, loss_fn must return "
+                    f"(loss_sum, num_tokens); got {type(out).__name__}."
+                )
+            loss_sum, ntok = out
+            return loss_sum, (jnp.asarray(ntok, jnp.float32), None)
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise ValueError(
+                    "DataParallel: loss_fn must return loss or (loss, aux); got a tuple of "
+                    f"{len(out)}."
+                )
+            loss, aux = out
+            return loss, (jnp.zeros((), jnp.float32), aux)
+        return out, (jnp.zeros((), jnp.float32), None)
+
+    def _local(self, params: Any, batch: Any):
+        """Per-device body of the step (inside shard_map)."""
+        cfg, layout = self.config, self.layout
+        axis, g = cfg.data_axis, cfg.num_microbatches
+        # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
+        # then yields per-device partial gradients and inserts no psum per use.
+        wv = jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
+        mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
+        grad_fn = jax.value_and_grad(self._loss_parts, has_aux=True)
+        acc_dt = jnp.float32
+        stage2 = cfg.zero_stage == 2 and g > 1
+
+        def finite_flags(grads):
+            return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
+
+        def micro(carry, mb):
+            acc, loss, ntok, ok, aux_sum = carry
+            (lval, (nt, aux)), grads = grad_fn(wv, mb)
+            flat = layout.pack(grads, dtype=acc_dt)
+            if stage2:
+                red = reduce_buckets(flat, layout, cfg, num_microbatches=g)
+                acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
+            else:
+                acc = tuple(a + f for a, f in zip(acc, flat, strict=True))
+            if cfg.check_for_nan_in_grad:
+                ok = ok & finite_flags(grads)
+            if aux is not None:
+                aux_sum = jax.tree.map(lambda s, a: s + jnp.asarray(a, jnp.float32), aux_sum, aux)
+            return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum), None
+
+        if stage2:
+            acc0 = tuple(jnp.zeros((b.shard_numel,), acc_dt) for b in layout.buckets)
+        else:
+            acc0 = tuple(jnp.zeros((b.numel,), acc_dt) for b in layout.buckets)
+        mb0 = jax.tree.map(lambda x: x[0], mbs)
+        aux_shape = jax.eval_shape(lambda: grad_fn(wv, mb0)[0][1][1])
+        aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
+        ok0 = jnp.ones((len(layout.slots),), bool)
+        zero = jnp.zeros((), jnp.float32)
+        carry = (acc0, zero, zero, ok0, aux0)
+        # The scan carry must be varying like the per-device gradients it accumulates.
+        carry = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), carry)
+        if g > 1:
+            head = jax.tree.map(lambda x: x[:-1], mbs)
+            carry, _ = jax.lax.scan(micro, carry, head)
+        # The last micro-batch is peeled out of the scan: its backward and the bucket
+        # collectives below are one straight-line region that XLA can overlap.
+        last = jax.tree.map(lambda x: x[-1], mbs)
+        (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
+
+        red = acc if stage2 else reduce_buckets(acc, layout, cfg, num_microbatches=g)
+        red = tuple(r.astype(acc_dt) for r in red)
+        metrics: dict[str, Any] = {}
+        if cfg.calculate_per_token_loss:
+            tokens = jax.lax.psum(ntok, axis)
+            inv = 1.0 / jnp.maximum(tokens, 1.0)
+            red = tuple(r * inv for r in red)
+            metrics["loss"] = jax.lax.psum(loss, axis) * inv
+            metrics["num_tokens"] = tokens
+        else:
+            metrics["loss"] = jax.lax.pmean(loss / g, axis)
+        if aux_sum is not None and jax.tree.leaves(aux_sum):
+            metrics["aux"] = jax.tree.map(lambda a: jax.lax.pmean(a / g, axis), aux_sum)
+        sq = sum(jnp.sum(jnp.square(r)) for r in red)
+        if self._sharded:
+            sq = jax.lax.psum(sq, axis)
+        metrics["grad_norm"] = jnp.sqrt(sq)
+        if cfg.check_for_nan_in_grad:
+            metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)
+        if self._sharded:
+            grads = layout.shard_view(red)
+        else:
+            grads = layout.unpack(red)
+        return grads, metrics
+
+    def _gather(self, view: Any) -> Any:
+        """Per-device: local master shards -> working params (one all-gather per bucket)."""
+        layout, axis = self.layout, self.config.data_axis
+        shards = layout.shard_unview(view)  # cast to each bucket's working dtype
+        full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
+        return layout.unpack(full)
+
+    def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        cfg, axis = self.config, self.config.data_axis
+        grad_spec = P(axis) if self._sharded else P()
+        local = jax.shard_map(
+            self._local,
+            mesh=self.mesh,
+            in_specs=(P(), P(axis)),
+            out_specs=(grad_spec, P()),
+        )
+        grads, metrics = local(state.params, batch)
+        norm = metrics["grad_norm"]
+        target = state.params if state.master is None else state.master
+        grads = jax.tree.map(lambda gr, t: gr.astype(t.dtype), grads, target)
+        if cfg.clip_grad is not None:
+            coef = jnp.minimum(1.0, cfg.clip_grad / (norm + 1e-6))
+            grads = jax.tree.map(lambda gr: gr * coef.astype(gr.dtype), grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, target)
+        new_target = optax.apply_updates(target, updates)
+        if self._sharded:
+            gather = jax.shard_map(self._gather, mesh=self.mesh, in_specs=(P(axis),), out_specs=P())
+            params = gather(new_target)
+            master = new_target
+        elif state.master is None:
+            params, master = new_target, None
+        else:
+            master = new_target
+            params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, state.params)
+        new = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state)
+        if cfg.check_for_nan_in_grad:
+            # Skip the update when any rank saw a non-finite gradient: the caller gets the last
+            # good state back even though the input was donated.
+            good = ~jnp.any(metrics["nonfinite_ranks"] > 0)
+            new = jax.tree.map(lambda n, o: jnp.where(good, n, o), new, state)
+        return new, metrics
+
+    # ------------------------------------------------------------------ export
+    def params(self, state: TrainState) -> Any:
+        """The full, unsharded params pytree, in the dtypes of the params given to ``init``.
+
+        Values come from the fp32 master weights where there are any (so nothing is lost to
+        ``param_dtype`` rounding), otherwise from the working params.
+        """
+        if state.master is None:
+            return state.params
+        layout = self.layout
+
+        def export(master):
+            full = layout.from_global_view(master) if self._sharded else master
+            leaves = jax.tree_util.tree_leaves(full)
+            cast = [x.astype(s.dtype) for x, s in zip(leaves, layout.slots, strict=True)]
+            return jax.tree_util.tree_unflatten(layout.treedef, cast)
+
+        return jax.jit(export, out_shardings=self._sharding(P()))(state.master)

@@ -1,0 +1,162 @@
+"""Check, before anything compiles, that an optax optimizer can run on sharded parameters.
+
+With a distributed optimizer (ZeRO >= 1, interleaved layout) the optimizer sees, per parameter,
+the flattened tensor zero-padded to a multiple of ``dp`` and sharded over the data axis. Any
+elementwise transformation (sgd, momentum, adam, adamw, lion, schedules, masks given as pytrees)
+and any that uses whole-tensor norms (global-norm clipping, LAMB's trust ratio: zero padding
+does not change a norm) gives the same result as on the unsharded params. Transformations that
+depend on a tensor's shape (factored Adafactor) or on its element count (RMS or mean statistics,
+which padding changes) do not, and neither do masks computed from ``ndim``. Two checks catch them:
+
+1. structure: ``optimizer.init`` on the real shapes and on the sharded view must give the same
+   state tree, leaf for leaf (shape-dependent state such as factored moments differs);
+2. numbers: a few steps on small probe tensors (every dimension ``dp + 1``, so padding occurs)
+   must agree between the view and the plain tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._layout import BucketLayout
+
+__all__ = ["check_optimizer"]
+
+_WHY = (
+    "with zero_stage >= 1 each rank updates its 1-D piece of every parameter (the flattened "
+    "tensor, zero-padded to a multiple of dp), so an optimizer whose result depends on a "
+    "tensor's shape or element count (factored Adafactor, RMS/mean statistics, masks computed "
+    "from ndim) would silently change. Fix: use an elementwise optimizer (sgd, adam, adamw, "
+    "lion, ...) with masks given as pytrees of bools built from the params, or zero_stage=0"
+)
+
+
+def _padded(n: int, dp: int) -> int:
+    return -(-n // dp) * dp
+
+
+def _structure_check(optimizer: Any, layout: BucketLayout, dtype: Any) -> None:
+    full_params = jax.tree_util.tree_unflatten(
+        layout.treedef, [jax.ShapeDtypeStruct(s.shape, dtype) for s in layout.slots]
+    )
+    view_params = jax.tree_util.tree_unflatten(
+        layout.treedef,
+        [jax.ShapeDtypeStruct((_padded(s.size, layout.dp_size),), dtype) for s in layout.slots],
+    )
+    full = jax.eval_shape(optimizer.init, full_params)
+    view = jax.eval_shape(optimizer.init, view_params)
+    full_leaves, full_def = jax.tree_util.tree_flatten_with_path(full)
+    view_leaves, view_def = jax.tree_util.tree_flatten_with_path(view)
+    if full_def != view_def:
+        raise ValueError(
+            "DataParallel.init: the optimizer's state has a different structure on sharded "
+            f"parameters ({len(view_leaves)} leaves) than on whole ones ({len(full_leaves)} "
+            f"leaves); {_WHY}."
+        )
+    for (kp, a), (_, b) in zip(full_leaves, view_leaves, strict=True):
+        if a.shape == b.shape:
+            continue
+        if (
+            len(b.shape) == 1
+            and a.shape
+            and b.shape[0] == _padded(math.prod(a.shape), layout.dp_size)
+        ):
+            continue
+        raise ValueError(
+            f"DataParallel.init: optimizer state leaf {jax.tree_util.keystr(kp)} has shape "
+            f"{a.shape} for whole parameters but {b.shape} for sharded ones; {_WHY}."
+        )
+
+
+def _probe_shape(shape: tuple[int, ...], dp: int) -> tuple[int, ...]:
+    # Every dimension becomes dp + 1 (size = 1 mod dp, so a sharded view needs padding);
+    # size-1 dimensions stay 1 so broadcasting semantics are kept.
+    return tuple(1 if d == 1 else dp + 1 for d in shape)
+
+
+def _numeric_check(optimizer: Any, layout: BucketLayout) -> None:
+    dp = layout.dp_size
+    rng = np.random.default_rng(0)
+    shapes = [_probe_shape(s.shape, dp) for s in layout.slots]
+    sizes = [math.prod(sh) for sh in shapes]
+    params = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+    grads = [[rng.standard_normal(sh).astype(np.float32) for sh in shapes] for _ in range(3)]
+
+    def tree(leaves):
+        return jax.tree_util.tree_unflatten(layout.treedef, [jnp.asarray(x) for x in leaves])
+
+    if layout.kind == "interleaved":
+
+        def to_view(leaves):
+            return tree([np.pad(x.ravel(), (0, _padded(x.size, dp) - x.size)) for x in leaves])
+
+        def from_view(view):
+            return [np.asarray(v) for v in jax.tree_util.tree_leaves(view)]
+
+    else:  # megatron: one flat array per bucket, parameters separated by zero gaps
+
+        def to_view(leaves):
+            return tuple(
+                jnp.asarray(np.concatenate([np.pad(leaves[i].ravel(), (0, 7)) for i in b.slots]))
+                for b in layout.buckets
+            )
+
+        def from_view(view):
+            out: list[Any] = [None] * len(sizes)
+            for b, v in zip(layout.buckets, view, strict=True):
+                off = 0
+                for i in b.slots:
+                    out[i] = np.asarray(v)[off : off + sizes[i] + 7]
+                    off += sizes[i] + 7
+            return out
+
+    def run(p, g_steps):
+        state = optimizer.init(p)
+        for g in g_steps:
+            updates, state = optimizer.update(g, state, p)
+            p = optax.apply_updates(p, updates)
+        return p
+
+    with jax.ensure_compile_time_eval():
+        full = jax.tree_util.tree_leaves(run(tree(params), [tree(g) for g in grads]))
+        view = from_view(run(to_view(params), [to_view(g) for g in grads]))
+    for s, a, b in zip(layout.slots, full, view, strict=True):
+        a = np.asarray(a).ravel()
+        if not np.allclose(a, b[: a.size], rtol=1e-5, atol=1e-6) or np.any(b[a.size :] != 0):
+            raise ValueError(
+                f"DataParallel.init: the optimizer updates parameter {s.path!r} differently "
+                f"when it is sharded (probe of 3 steps); {_WHY}."
+            )
+
+
+def check_optimizer(optimizer: Any, layout: BucketLayout, dtype: Any = jnp.float32) -> None:
+    """Raise ``ValueError`` if ``optimizer`` would give different results on ``layout``'s shards.
+
+    Only the interleaved layout needs the check; the Megatron layout hands the optimizer a
+    tuple of flat per-bucket shards, so it accepts only optimizers that ignore the tree
+    structure (no masks) and are elementwise, which the same probe verifies.
+    """
+    if layout.kind == "contiguous":
+        return
+    if layout.kind == "megatron":
+        try:
+            jax.eval_shape(
+                optimizer.init,
+                tuple(jax.ShapeDtypeStruct((b.numel,), dtype) for b in layout.buckets),
+            )
+        except Exception as e:  # optax raises assorted errors for a tree mismatch
+            raise ValueError(
+                "DataParallel.init: with bucket_layout='megatron' the optimizer sees a tuple of "
+                "flat bucket shards, and this optimizer could not be initialised on it "
+                f"({type(e).__name__}: {e}). Fix: use bucket_layout='interleaved', which keeps "
+                "the params' tree structure (needed for masks keyed by parameter)."
+            ) from e
+    else:
+        _structure_check(optimizer, layout, dtype)
+    _numeric_check(optimizer, layout)
