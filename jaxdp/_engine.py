@@ -226,7 +226,7 @@ class DataParallel:
             return jax.tree.map(lambda _: rep, abstract)
         shard = self._sharding(P(self.config.data_axis))
         return TrainState(
-            step=rep,
+            step=rep,  # type: ignore[arg-type]
             params=jax.tree.map(lambda _: rep, abstract.params),
             master=jax.tree.map(lambda _: shard, abstract.master),
             opt_state=jax.tree.map(lambda x: shard if x.ndim >= 1 else rep, abstract.opt_state),
@@ -274,6 +274,7 @@ class DataParallel:
                 f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."
             )
         n = lead.pop()
+        assert n is not None
         if n % div or n == 0:
             raise ValueError(
                 f"DataParallel.step: the batch's leading dimension is {n}; expected a positive "

@@ -1,0 +1,74 @@
+"""Small models and plain single-device references shared by the engine tests."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def mlp_params(seed: int = 0, sizes=(6, 16, 16, 4)):
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        params[f"layer{i}"] = {
+            "w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((b,)) * 0.1, jnp.float32),
+        }
+    return params
+
+
+def mlp_apply(params, x):
+    n = len(params)
+    for i in range(n):
+        p = params[f"layer{i}"]
+        x = x @ p["w"].astype(x.dtype) + p["b"].astype(x.dtype)
+        if i < n - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+def mse_loss(params, batch):
+    pred = mlp_apply(params, batch["x"].astype(jax.tree.leaves(params)[0].dtype))
+    return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def make_batch(n: int, seed: int = 1, sizes=(6, 16, 16, 4)):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": jnp.asarray(rng.standard_normal((n, sizes[0])), jnp.float32),
+        "y": jnp.asarray(rng.standard_normal((n, sizes[-1])), jnp.float32),
+    }
+
+
+def reference_train(loss_fn, optimizer, params, batches, param_dtype=None, clip=None):
+    """Plain single-device training: jax.grad of the global-batch mean loss + optax."""
+    master = params
+    state = optimizer.init(master)
+    norms = []
+    for batch in batches:
+        work = (
+            master if param_dtype is None else jax.tree.map(lambda p: p.astype(param_dtype), master)
+        )
+        grads = jax.grad(loss_fn)(work, batch)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        norm = optax.tree.norm(grads)
+        norms.append(float(norm))
+        if clip is not None:
+            coef = jnp.minimum(1.0, clip / (norm + 1e-6))
+            grads = jax.tree.map(lambda g, c=coef: g * c, grads)
+        updates, state = optimizer.update(grads, state, master)
+        master = optax.apply_updates(master, updates)
+    return master, norms
+
+
+def max_rel_err(a, b):
+    """Largest per-leaf relative error ||a - b|| / ||b||."""
+    errs = [
+        float(jnp.linalg.norm((x - y).ravel()) / jnp.linalg.norm(y.ravel()))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    ]
+    return max(errs)

@@ -1,0 +1,167 @@
+"""DataParallel against a plain single-device reference (same init, same global batch)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import make_batch, max_rel_err, mlp_params, mse_loss, reference_train
+
+from jaxdp import DataParallel, DDPConfig
+
+STEPS = 10
+GLOBAL_BATCH = 64
+
+
+def run(config, optimizer, params, batches, loss_fn=mse_loss):
+    dp = DataParallel(loss_fn, optimizer, config)
+    state = dp.init(params)
+    metrics = []
+    for b in batches:
+        state, m = dp.step(state, dp.shard_batch(b))
+        metrics.append(m)
+    return dp, state, metrics
+
+
+@pytest.fixture(scope="module")
+def data():
+    params = mlp_params()
+    batches = [make_batch(GLOBAL_BATCH, seed=s) for s in range(STEPS)]
+    return params, batches
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("bucket_size", [64, None], ids=["tiny", "one"])
+@pytest.mark.parametrize("avg", [False, True], ids=["prescale", "avg"])
+def test_fp32_parity(data, stage, g, bucket_size, avg):
+    params, batches = data
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    ref, ref_norms = reference_train(mse_loss, opt, params, batches)
+    cfg = DDPConfig(
+        zero_stage=stage, num_microbatches=g, bucket_size=bucket_size, average_in_collective=avg
+    )
+    dp, state, metrics = run(cfg, opt, params, batches)
+    if bucket_size == 64:
+        assert len(dp.layout.buckets) > 3
+    # fp32 everywhere: only the summation order differs (per-device partial sums).
+    assert max_rel_err(dp.params(state), ref) < 1e-6
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
+    assert int(state.step) == STEPS
+    # Sharded stages keep fp32 master weights and optimizer state sharded over `data`.
+    if stage >= 1:
+        leaf = jax.tree.leaves(state.master)[0]
+        assert leaf.sharding.spec == jax.sharding.PartitionSpec("data")
+        shard = leaf.addressable_shards[0].data
+        assert shard.shape[0] * 8 == leaf.shape[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_clip_grad_parity(data, stage):
+    params, batches = data
+    opt = optax.sgd(0.5, momentum=0.9)
+    ref, ref_norms = reference_train(mse_loss, opt, params, batches, clip=0.05)
+    cfg = DDPConfig(zero_stage=stage, clip_grad=0.05, bucket_size=100, num_microbatches=2)
+    dp, state, metrics = run(cfg, opt, params, batches)
+    assert max_rel_err(dp.params(state), ref) < 1e-6
+    # metrics["grad_norm"] is the pre-clip norm.
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
+    assert min(ref_norms) > 0.05  # clipping was active
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("fp32_reduce", [False, True], ids=["bf16-wire", "fp32-wire"])
+def test_bf16_params_parity(data, stage, fp32_reduce):
+    """bf16 working params, fp32 master: within what bf16 gradient rounding allows.
+
+    The reference rounds the global-batch gradient to bf16 once; jaxdp rounds each device's
+    gradient (and, with a bf16 wire, the reduced sum). Each rounding is <= 2**-9 relative, and
+    Adam's update is ~lr * m/sqrt(v), so a relative gradient error of ~2**-8 moves a parameter by
+    <= ~lr * 2**-8 per step: 10 steps at lr=1e-2 give ~4e-4. We allow 2e-3 absolute (and check
+    the fp32-wire path is at least as close as the bf16 one on average).
+    """
+    params, batches = data
+    opt = optax.adam(1e-2)
+    ref, _ = reference_train(mse_loss, opt, params, batches, param_dtype=jnp.bfloat16)
+    cfg = DDPConfig(
+        zero_stage=stage,
+        param_dtype="bfloat16",
+        grad_reduce_in_fp32=fp32_reduce,
+        bucket_size=128,
+        num_microbatches=2,
+    )
+    dp, state, _ = run(cfg, opt, params, batches)
+    out = dp.params(state)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.params))
+    # The working params are the master rounded to bf16.
+    for w, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(out), strict=True):
+        np.testing.assert_array_equal(w, m.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_megatron_layout_and_fp32_accumulation_variant(data, stage):
+    params, batches = data
+    opt = optax.adam(1e-2)
+    ref, _ = reference_train(mse_loss, opt, params, batches)
+    for cfg in (
+        DDPConfig(zero_stage=stage, bucket_layout="megatron", bucket_size=200),
+        DDPConfig(zero_stage=stage, reduce_scatter_with_fp32_accumulation=True, bucket_size=200),
+    ):
+        dp, state, _ = run(cfg, opt, params, batches)
+        assert max_rel_err(dp.params(state), ref) < 1e-6
+
+
+def test_per_token_loss(data):
+    params, batches = data
+    rng = np.random.default_rng(3)
+    masks = [jnp.asarray(rng.random((GLOBAL_BATCH, 1)) < 0.6, jnp.float32) for _ in batches]
+
+    def per_token(p, b):
+        err = (mlp_apply_f32(p, b["x"]) - b["y"]) ** 2 * b["m"]
+        return jnp.sum(err), jnp.sum(b["m"]) * err.shape[-1]
+
+    def global_mean(p, b):
+        s, n = per_token(p, b)
+        return s / n
+
+    tbatches = [dict(b, m=m) for b, m in zip(batches, masks, strict=True)]
+    opt = optax.sgd(0.1)
+    ref, _ = reference_train(global_mean, opt, params, tbatches)
+    for stage in (0, 1):
+        cfg = DDPConfig(zero_stage=stage, calculate_per_token_loss=True, num_microbatches=4)
+        dp, state, metrics = run(cfg, opt, params, tbatches, loss_fn=per_token)
+        assert max_rel_err(dp.params(state), ref) < 1e-6
+        assert float(metrics[0]["num_tokens"]) == float(jnp.sum(masks[0])) * 4
+
+
+def mlp_apply_f32(p, x):
+    from _models import mlp_apply
+
+    return mlp_apply(p, x)
+
+
+def test_aux_and_metrics(data):
+    params, batches = data
+
+    def loss_with_aux(p, b):
+        loss = mse_loss(p, b)
+        return loss, {"twice": 2 * loss}
+
+    _, _, metrics = run(
+        DDPConfig(num_microbatches=2), optax.sgd(0.1), params, batches[:2], loss_fn=loss_with_aux
+    )
+    m = metrics[0]
+    np.testing.assert_allclose(float(m["aux"]["twice"]), 2 * float(m["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m["loss"]), float(mse_loss(params, batches[0])), rtol=1e-6)
+
+
+def test_init_under_eval_shape_allocates_nothing(data):
+    params, _ = data
+    dp = DataParallel(mse_loss, optax.adam(1e-3), DDPConfig(zero_stage=1))
+    abstract = jax.eval_shape(dp.init, params)
+    leaf = jax.tree.leaves(abstract.master)[0]
+    assert isinstance(leaf, jax.ShapeDtypeStruct)
+    assert dp.layout.kind == "interleaved"

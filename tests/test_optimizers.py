@@ -1,0 +1,94 @@
+"""optax chains under the sharded optimizer: same result as unsharded, or a clear rejection."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from _models import make_batch, max_rel_err, mlp_params, mse_loss, reference_train
+
+from jaxdp import DataParallel, DDPConfig
+
+PARAMS = mlp_params()
+BATCHES = [make_batch(32, seed=s) for s in range(4)]
+NOT_BIAS = jax.tree.map(lambda x: x.ndim > 1, PARAMS)  # a mask *pytree*, built from params
+
+
+def schedule():
+    return optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_mask": lambda: optax.adamw(schedule(), weight_decay=0.1, mask=NOT_BIAS),
+    "lion": lambda: optax.lion(1e-3, weight_decay=0.01),
+    "masked": lambda: optax.chain(
+        optax.masked(optax.add_decayed_weights(0.1), NOT_BIAS), optax.adam(1e-2)
+    ),
+    "multi_transform": lambda: optax.multi_transform(
+        {"w": optax.adam(1e-2), "b": optax.sgd(0.05)},
+        jax.tree.map(lambda x: "w" if x.ndim > 1 else "b", PARAMS),
+    ),
+    "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.1)),
+    "lamb": lambda: optax.lamb(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_matches_reference(name, stage):
+    opt = OPTIMIZERS[name]()
+    ref, _ = reference_train(mse_loss, opt, PARAMS, BATCHES)
+    dp = DataParallel(mse_loss, opt, DDPConfig(zero_stage=stage, bucket_size=300))
+    state = dp.init(PARAMS)
+    for b in BATCHES:
+        state, _ = dp.step(state, dp.shard_batch(b))
+    assert max_rel_err(dp.params(state), ref) < 1e-6
+
+
+def test_optimizer_state_keeps_params_structure():
+    opt = optax.adamw(1e-2, mask=NOT_BIAS)
+    dp = DataParallel(mse_loss, opt, DDPConfig(zero_stage=1))
+    state = dp.init(PARAMS)
+    mu = state.opt_state[0].mu
+    assert jax.tree.structure(mu) == jax.tree.structure(PARAMS)
+    assert mu["layer0"]["w"].sharding.spec == jax.sharding.PartitionSpec("data")
+
+
+def big_params():
+    return {"w": jnp.ones((256, 130)), "b": jnp.ones((130,))}
+
+
+@pytest.mark.parametrize(
+    ("name", "opt", "params", "fragment"),
+    [
+        ("factored adafactor", lambda: optax.adafactor(1e-2), big_params, "for sharded ones"),
+        ("adafactor rms clipping", lambda: optax.adafactor(1e-2), mlp_params, "updates parameter"),
+        (
+            "ndim mask",
+            lambda: optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+            mlp_params,
+            "updates parameter",
+        ),
+    ],
+)
+def test_shape_dependent_optimizers_are_rejected(name, opt, params, fragment):
+    dp = DataParallel(mse_loss, opt(), DDPConfig(zero_stage=1))
+    with pytest.raises(ValueError, match=fragment) as info:
+        dp.init(params())
+    assert "zero_stage=0" in str(info.value)  # says how to fix
+    # Stage 0 keeps whole tensors: the same optimizer is accepted.
+    DataParallel(mse_loss, opt(), DDPConfig(zero_stage=0)).init(params())
+
+
+def test_megatron_layout_rejects_tree_masks():
+    opt = optax.adamw(1e-2, mask=NOT_BIAS)
+    dp = DataParallel(mse_loss, opt, DDPConfig(zero_stage=1, bucket_layout="megatron"))
+    with pytest.raises(ValueError, match="bucket_layout='interleaved'"):
+        dp.init(PARAMS)
+    lamb = DataParallel(
+        mse_loss, optax.lamb(1e-2), DDPConfig(zero_stage=1, bucket_layout="megatron")
+    )
+    with pytest.raises(ValueError, match="updates parameter"):
+        lamb.init(PARAMS)  # per-bucket trust ratios would be wrong
