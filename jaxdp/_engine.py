@@ -60,8 +60,12 @@ class TrainState(NamedTuple):
 def _count_leading(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
     out = []
     for kp, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = tuple(np.shape(leaf))
-        dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype)).name
+        # Read shape/dtype from the array itself: np.asarray would copy a device array to the
+        # host on every step, and fails for arrays that span other processes' devices.
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            leaf = np.asarray(leaf)
+        shape = tuple(leaf.shape)
+        dtype = np.dtype(leaf.dtype).name
         out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
     return out
 

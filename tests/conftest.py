@@ -14,3 +14,7 @@ jax.config.update("jax_enable_x64", False)
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, {jax.device_count()} devices ({jax.devices()[0].platform})"
+
+
+# Helper scripts run as subprocesses, not test modules (--doctest-modules would import them).
+collect_ignore = ["mp", "_models.py"]

@@ -1,0 +1,54 @@
+"""Two processes x 4 CPU devices on localhost (jax.distributed + gloo) match one device."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _models import make_batch, mlp_params, mse_loss, reference_train
+
+WORKER = os.path.join(os.path.dirname(__file__), "mp", "worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_two_processes_match_reference(tmp_path, stage):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(i), "2", str(port), str(tmp_path), str(stage)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("multi-process run timed out")
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+        assert "8 devices" in out, out[-3000:]
+    ref, _ = reference_train(
+        mse_loss, optax.adam(1e-2), mlp_params(), [make_batch(32, seed=s) for s in range(3)]
+    )
+    want = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(ref)])
+    for i in range(2):
+        got = np.load(tmp_path / f"params_{i}.npy")
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6
