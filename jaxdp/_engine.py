@@ -70,6 +70,12 @@ def _count_leading(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def _with_sharding(x: Any, sharding: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+
+
 class _Step:
     """The jitted step plus the host-side checks (batch validation, NaN report)."""
 
@@ -78,8 +84,17 @@ class _Step:
         self._jitted = jitted
 
     def lower(self, state: TrainState, batch: Any) -> Any:
-        """``jax.jit(...).lower`` of the step, for inspection and AOT compilation."""
-        self._engine._check_batch(batch)
+        """``jax.jit(...).lower`` of the step, for inspection and AOT compilation.
+
+        ``state`` and ``batch`` may be abstract (``jax.eval_shape(dp.init, params)`` and
+        ``jax.ShapeDtypeStruct`` batches): leaves without a sharding get the engine's own, so
+        the program (donation, memory analysis) is the one ``step`` runs.
+        """
+        eng = self._engine
+        eng._check_batch(batch)
+        state = jax.tree.map(_with_sharding, state, eng._shardings)
+        batch_sharding = eng._sharding(P(eng.config.data_axis))
+        batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
         return self._jitted.lower(state, batch)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -376,7 +391,7 @@ class DataParallel:
         else:
             acc0 = tuple(jnp.zeros((b.numel,), acc_dt) for b in layout.buckets)
         mb0 = jax.tree.map(lambda x: x[0], mbs)
-        aux_shape = jax.eval_shape(lambda: grad_fn(wv, mb0)[0][1][1])
+        aux_shape = jax.eval_shape(lambda: self._loss_parts(wv, mb0)[1][1])  # forward only
         aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
         ok0 = jnp.ones((len(layout.slots),), bool)
         zero = jnp.zeros((), jnp.float32)

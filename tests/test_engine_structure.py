@@ -122,3 +122,16 @@ def test_state_is_donated_and_step_jitted():
     s2 = keep.init(mlp_params())
     keep.step(s2, batch)
     assert not jax.tree.leaves(s2.master)[0].is_deleted()
+
+
+def test_lower_from_abstract_state_is_the_real_program():
+    params = mlp_params()
+    dp = DataParallel(mse_loss, optax.adam(1e-3), DDPConfig(zero_stage=1))
+    abstract = jax.eval_shape(dp.init, params)
+    batch = jax.eval_shape(lambda: make_batch(64))
+    mem_abstract = dp.step.lower(abstract, batch).compile().memory_analysis()
+    state = dp.init(params)
+    mem_real = dp.step.lower(state, dp.shard_batch(make_batch(64))).compile().memory_analysis()
+    # Same donation (aliasing) and the same buffers as the program step() runs.
+    assert mem_abstract.alias_size_in_bytes == mem_real.alias_size_in_bytes > 0
+    assert mem_abstract.argument_size_in_bytes == mem_real.argument_size_in_bytes
