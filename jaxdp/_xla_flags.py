@@ -1,0 +1,407 @@
+"""XLA GPU flags that keep jaxdp's gradient buckets intact and overlappable.
+
+jaxdp emits one collective per bucket, but XLA's combiner passes merge collectives whose combined
+size stays under ``--xla_gpu_{all_reduce,reduce_scatter,all_gather}_combine_threshold_bytes``
+(default 30 MiB + 7 B), and one merged collective at the end of the backward pass overlaps
+nothing. :func:`xla_flags` derives thresholds from the config so that no two full buckets fit
+under them (a full bucket alone is already over the threshold, and the combiner leaves such a
+collective alone), and turns on the latency-hiding scheduler.
+
+XLA aborts the whole process on a flag it does not know, and flags come and go between
+releases, so every flag is looked up in ``FLAG_TABLE`` (the first jaxlib release that has it and,
+where it was removed, the first that does not) before it is emitted. The table was built from
+the flag names compiled into the shared libraries of 27 jaxlib wheels from PyPI (0.4.13 to
+0.10.2); the tests check it against the installed jaxlib by starting a process with every
+allowed flag, and one with each denied flag.
+
+XLA reads ``XLA_FLAGS`` once, when the first backend starts. :func:`apply_xla_flags` sets it and
+refuses to run later; :func:`xla_compiler_options` gives the same settings as per-executable
+``compiler_options`` for ``jax.jit(..., compiler_options=...)`` or ``lowered.compile(...)``,
+which work at any time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import re
+import sys
+import warnings
+from typing import Final
+
+import numpy as np
+
+from ._config import AUTO_BUCKET_SIZE, DDPConfig, default_bucket_size
+
+__all__ = [
+    "FLAG_TABLE",
+    "FlagSpec",
+    "apply_xla_flags",
+    "combine_thresholds",
+    "flag_available",
+    "xla_compiler_options",
+    "xla_flags",
+]
+
+Version = tuple[int, ...]
+
+#: Oldest and newest jaxlib releases whose flags were read into ``FLAG_TABLE``.
+OLDEST_CHECKED: Final[Version] = (0, 4, 13)
+NEWEST_CHECKED: Final[Version] = (0, 10, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagSpec:
+    """When an XLA flag exists.
+
+    Attributes:
+        name: the flag without ``--``.
+        since: first jaxlib release that accepts it (``OLDEST_CHECKED`` means "that one or
+            earlier"); ``None``: no checked release accepts it.
+        removed: first jaxlib release that rejects it again, or ``None``.
+        kind: the value type, ``"bool"``, ``"int"`` or ``"str"``.
+        example: a value the flag accepts (used by the tests that check the table).
+        note: what the flag does.
+    """
+
+    name: str
+    since: Version | None
+    removed: Version | None = None
+    kind: str = "bool"
+    example: str = "false"
+    note: str = ""
+
+    def available(self, version: Version) -> bool:
+        """Whether jaxlib ``version`` accepts the flag."""
+        if self.since is None or version < self.since:
+            return False
+        return self.removed is None or version < self.removed
+
+
+_V = OLDEST_CHECKED
+#: Flags jaxdp emits or has to avoid, read from the jaxlib wheels (see the module docstring).
+FLAG_TABLE: Final[tuple[FlagSpec, ...]] = (
+    FlagSpec(
+        "xla_gpu_all_reduce_combine_threshold_bytes",
+        _V,
+        kind="int",
+        example="1",
+        note="max bytes of a combined all-reduce",
+    ),
+    FlagSpec(
+        "xla_gpu_reduce_scatter_combine_threshold_bytes",
+        _V,
+        kind="int",
+        example="1",
+        note="max output (scattered) bytes of a combined reduce-scatter",
+    ),
+    FlagSpec(
+        "xla_gpu_all_gather_combine_threshold_bytes",
+        _V,
+        kind="int",
+        example="1",
+        note="max output (gathered) bytes of a combined all-gather",
+    ),
+    FlagSpec("xla_gpu_enable_latency_hiding_scheduler", _V, note="cost-model scheduler (LHS)"),
+    FlagSpec(
+        "xla_gpu_enable_highest_priority_async_stream",
+        _V,
+        note="async collectives on a high-priority stream (default true)",
+    ),
+    FlagSpec("xla_gpu_enable_pipelined_reduce_scatter", (0, 4, 18), note="pipeline RS in loops"),
+    FlagSpec("xla_gpu_enable_reduce_scatter_combine_by_dim", (0, 4, 20)),
+    FlagSpec("xla_gpu_enable_all_gather_combine_by_dim", (0, 4, 20)),
+    FlagSpec("xla_gpu_disable_async_collectives", (0, 4, 27), kind="str", example="ALLREDUCE"),
+    FlagSpec(
+        "xla_gpu_experimental_parallel_collective_overlap_limit",
+        (0, 4, 35),
+        kind="int",
+        example="1",
+    ),
+    FlagSpec("xla_gpu_enable_analytical_sol_latency_estimator", (0, 5, 0)),
+    FlagSpec(
+        "xla_gpu_experimental_enable_heuristic_collective_combining",
+        (0, 7, 0),
+        note="heuristic thresholds that would override the ones jaxdp sets",
+    ),
+    FlagSpec("xla_gpu_collective_combine_threshold_count", (0, 10, 0), kind="int", example="2048"),
+    FlagSpec("xla_gpu_experimental_collective_start_as_early_as_possible", (0, 10, 2)),
+    # Removed: async collectives became unconditional.
+    FlagSpec("xla_gpu_enable_async_collectives", (0, 4, 18), removed=(0, 4, 27)),
+    FlagSpec("xla_gpu_enable_async_all_reduce", _V, removed=(0, 4, 27)),
+    FlagSpec("xla_gpu_enable_async_reduce_scatter", _V, removed=(0, 4, 27)),
+    FlagSpec("xla_gpu_enable_async_all_gather", _V, removed=(0, 4, 27)),
+    # Newer XLA (used by MaxText); in no checked jaxlib release.
+    FlagSpec("xla_gpu_pipeline_reduce_scatter", None, kind="str", example="on"),
+    FlagSpec("xla_gpu_pipeline_all_gather", None, kind="str", example="on"),
+)
+_BY_NAME: Final = {f.name: f for f in FLAG_TABLE}
+
+_GRAD_MIN_BYTES = 2  # smallest float dtype a gradient bucket can hold (bf16/f16)
+
+
+def _parse_version(value: str | Version, arg: str = "jaxlib_version") -> Version:
+    if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    if isinstance(value, str):
+        m = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", value)
+        if m:
+            return tuple(int(x) for x in m.groups(default="0"))
+    raise ValueError(
+        f"xla_flags: {arg}={value!r}; expected a version string like '0.10.2' or a tuple of "
+        "ints like (0, 10, 2). Fix: pass jaxlib.version.__version__ of the target machine, or "
+        "None for the installed jaxlib."
+    )
+
+
+def _resolve_version(value: str | Version | None = None) -> Version:
+    """The jaxlib version as a tuple: ``value`` parsed, or the installed one when ``None``.
+
+    Reads the installed version from the package metadata, so it starts no backend.
+
+    Example:
+        >>> _resolve_version("0.10.2.dev20260101")
+        (0, 10, 2)
+    """
+    if value is None:
+        value = importlib.metadata.version("jaxlib")
+    return _parse_version(value)
+
+
+def flag_available(name: str, version: str | Version | None = None) -> bool:
+    """Whether jaxlib ``version`` (default: the installed one) accepts ``--name``.
+
+    Example:
+        >>> flag_available("xla_gpu_enable_latency_hiding_scheduler", "0.10.2")
+        True
+        >>> flag_available("xla_gpu_enable_async_all_reduce", "0.10.2")  # removed in 0.4.27
+        False
+    """
+    name = name.lstrip("-").split("=", 1)[0]
+    if name not in _BY_NAME:
+        raise ValueError(
+            f"flag_available: name={name!r} is not in jaxdp's FLAG_TABLE; expected one of "
+            f"{sorted(_BY_NAME)}. Fix: add it to FLAG_TABLE with the release that introduced it."
+        )
+    return _BY_NAME[name].available(_resolve_version(version))
+
+
+_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _itemsize(dtype: str | None, default: int) -> int:
+    # DDPConfig canonicalises param_dtype to one of these names.
+    return default if dtype is None else _ITEMSIZE[dtype]
+
+
+def _check_dp(dp_size: int | None) -> int | None:
+    if dp_size is None:
+        return None
+    if isinstance(dp_size, bool) or not isinstance(dp_size, (int, np.integer)) or dp_size < 1:
+        raise ValueError(
+            f"xla_flags: dp_size={dp_size!r}; expected a positive int (the size of the data "
+            "axis) or None. Fix: pass e.g. dp_size=8 for 8 GPUs, or leave it out."
+        )
+    return int(dp_size)
+
+
+def combine_thresholds(config: DDPConfig, *, dp_size: int | None = None) -> dict[str, int]:
+    """Combine thresholds (bytes) under which no two full buckets of ``config`` fit.
+
+    A bucket holds at least ``bucket_size`` elements (only the last one of a buffer, and the own
+    buckets of ``own_bucket_param_patterns``, can be smaller), so a threshold of one byte less
+    than the smallest full bucket keeps every full bucket out of XLA's combiners, while smaller,
+    unrelated collectives (the loss and norm scalars) can still be combined with each other.
+
+    * all-reduce (stage 0): ``bucket_size`` elements of the gradient wire dtype (fp32 with
+      ``grad_reduce_in_fp32``, else ``param_dtype``; bf16 assumed when unknown);
+    * reduce-scatter (stages 1-2): XLA counts the *output* bytes, ``bucket_size // dp`` per
+      rank; without ``dp_size`` the threshold is 0 (never combine: every reduce-scatter of a
+      jaxdp step is a bucket);
+    * all-gather (stages 1-2): XLA counts the gathered bytes, ``bucket_size`` elements of
+      ``param_dtype``;
+    * the all-to-all of ``reduce_scatter_with_fp32_accumulation`` has no combiner in XLA:GPU
+      (jaxlib 0.10.2) and needs no threshold.
+
+    ``bucket_size="auto"`` uses Megatron's default for ``dp_size`` (40M elements, its lower
+    bound, when ``dp_size`` is unknown). Returns ``{}`` when the config asks for one bucket per
+    buffer (``bucket_size=None`` or ``overlap_grad_reduce=False``): nothing to keep apart.
+
+    Example:
+        >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, param_dtype="bfloat16",
+        ...                 grad_reduce_in_fp32=True)
+        >>> combine_thresholds(cfg, dp_size=8)  # doctest: +NORMALIZE_WHITESPACE
+        {'xla_gpu_all_reduce_combine_threshold_bytes': 3999999,
+         'xla_gpu_reduce_scatter_combine_threshold_bytes': 499999,
+         'xla_gpu_all_gather_combine_threshold_bytes': 1999999}
+    """
+    if not isinstance(config, DDPConfig):
+        raise TypeError(
+            f"combine_thresholds: config is a {type(config).__name__}; expected a "
+            "jaxdp.DDPConfig. Fix: pass the config given to DataParallel."
+        )
+    dp = _check_dp(dp_size)
+    if not config.overlap_grad_reduce or config.bucket_size is None:
+        return {}
+    if config.bucket_size == AUTO_BUCKET_SIZE:
+        elems = default_bucket_size(dp or 1)
+    else:
+        elems = int(config.bucket_size)
+    grad_bytes = 4 if config.grad_reduce_in_fp32 else _itemsize(config.param_dtype, _GRAD_MIN_BYTES)
+    param_bytes = _itemsize(config.param_dtype, _GRAD_MIN_BYTES)
+    rs = 0 if dp is None else max(elems // dp * grad_bytes - 1, 0)
+    return {
+        "xla_gpu_all_reduce_combine_threshold_bytes": elems * grad_bytes - 1,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": rs,
+        "xla_gpu_all_gather_combine_threshold_bytes": elems * param_bytes - 1,
+    }
+
+
+def xla_compiler_options(
+    config: DDPConfig,
+    jaxlib_version: str | Version | None = None,
+    *,
+    dp_size: int | None = None,
+    latency_hiding_scheduler: bool = True,
+) -> dict[str, bool | int]:
+    """The settings of :func:`xla_flags` as per-executable XLA compiler options.
+
+    Pass them as ``jax.jit(f, compiler_options=...)`` or ``lowered.compile(compiler_options=...)``:
+    unlike ``XLA_FLAGS`` they work after the backend has started, and only for that program.
+
+    Example:
+        >>> opts = xla_compiler_options(DDPConfig(bucket_size=1_000_000), "0.10.2", dp_size=8)
+        >>> opts["xla_gpu_enable_latency_hiding_scheduler"]
+        True
+    """
+    version = _version_for(jaxlib_version)
+    opts: dict[str, bool | int] = {}
+    opts.update(combine_thresholds(config, dp_size=dp_size))
+    if latency_hiding_scheduler:
+        opts["xla_gpu_enable_latency_hiding_scheduler"] = True
+    # Pinned to their defaults: a future default change must not undo the buckets' overlap.
+    opts["xla_gpu_enable_highest_priority_async_stream"] = True
+    opts["xla_gpu_experimental_enable_heuristic_collective_combining"] = False
+    return {k: v for k, v in opts.items() if _BY_NAME[k].available(version)}
+
+
+def _version_for(value: str | Version | None) -> Version:
+    version = _resolve_version(value)
+    if version < OLDEST_CHECKED:
+        raise ValueError(
+            f"xla_flags: jaxlib_version={'.'.join(map(str, version))} is older than the oldest "
+            f"jaxlib jaxdp's flag table was checked against "
+            f"({'.'.join(map(str, OLDEST_CHECKED))}). Fix: upgrade jaxlib (jaxdp needs >= 0.10.2)."
+        )
+    if version > NEWEST_CHECKED:
+        warnings.warn(
+            f"xla_flags: jaxlib {'.'.join(map(str, version))} is newer than the newest release "
+            f"jaxdp's flag table was checked against ({'.'.join(map(str, NEWEST_CHECKED))}); "
+            "emitting the flags known there. If XLA aborts with 'Unknown flag in XLA_FLAGS', "
+            "update jaxdp's FLAG_TABLE.",
+            stacklevel=3,
+        )
+    return version
+
+
+def xla_flags(
+    config: DDPConfig,
+    jaxlib_version: str | Version | None = None,
+    *,
+    dp_size: int | None = None,
+    latency_hiding_scheduler: bool = True,
+) -> list[str]:
+    """XLA GPU flags that keep ``config``'s buckets intact and overlappable.
+
+    Returns ``--flag=value`` strings for ``XLA_FLAGS``: the all-reduce, reduce-scatter and
+    all-gather combine thresholds of :func:`combine_thresholds`, the latency-hiding scheduler,
+    and two defaults pinned (async collectives on the high-priority stream; XLA's heuristic
+    combining, which would override the thresholds, off). Only flags that ``jaxlib_version``
+    accepts are emitted (``FLAG_TABLE``); an unknown flag in ``XLA_FLAGS`` aborts the process.
+
+    Args:
+        config: the :class:`DDPConfig` of the training run.
+        jaxlib_version: the jaxlib release the flags are for (e.g. ``"0.10.2"``); ``None`` for
+            the installed one.
+        dp_size: size of the data axis; makes the reduce-scatter threshold exact and resolves
+            ``bucket_size="auto"``.
+        latency_hiding_scheduler: add ``--xla_gpu_enable_latency_hiding_scheduler=true``.
+
+    Example:
+        >>> cfg = DDPConfig(zero_stage=1, bucket_size=4_000_000, param_dtype="bfloat16")
+        >>> for f in xla_flags(cfg, "0.10.2", dp_size=8):
+        ...     print(f)
+        --xla_gpu_all_reduce_combine_threshold_bytes=7999999
+        --xla_gpu_reduce_scatter_combine_threshold_bytes=999999
+        --xla_gpu_all_gather_combine_threshold_bytes=7999999
+        --xla_gpu_enable_latency_hiding_scheduler=true
+        --xla_gpu_enable_highest_priority_async_stream=true
+        --xla_gpu_experimental_enable_heuristic_collective_combining=false
+    """
+    opts = xla_compiler_options(
+        config, jaxlib_version, dp_size=dp_size, latency_hiding_scheduler=latency_hiding_scheduler
+    )
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in opts.items()]
+
+
+def _backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    if started is not None:
+        return bool(started())
+    return bool(getattr(xla_bridge, "_backends", {}))  # pragma: no cover - older jax
+
+
+def apply_xla_flags(
+    config: DDPConfig,
+    jaxlib_version: str | Version | None = None,
+    *,
+    dp_size: int | None = None,
+    latency_hiding_scheduler: bool = True,
+) -> list[str]:
+    """Add :func:`xla_flags` to the ``XLA_FLAGS`` environment variable, before XLA starts.
+
+    Must run before the first backend starts (before ``jax.devices()``, the first array or the
+    first compilation; importing jax is fine), because XLA reads ``XLA_FLAGS`` only then. Flags
+    already in ``XLA_FLAGS`` win over jaxdp's. Returns the flags it added.
+
+    Raises:
+        RuntimeError: a JAX backend has already started, so the flags would be silently ignored.
+
+    Usage, at the top of a training script::
+
+        import jaxdp
+        config = jaxdp.DDPConfig(zero_stage=1, bucket_size=40_000_000, param_dtype="bfloat16")
+        jaxdp.apply_xla_flags(config, dp_size=8)  # before anything starts a backend
+        import jax
+        mesh = jaxdp.make_mesh()
+
+    Example:
+        >>> import jax
+        >>> _ = jax.devices()  # the backend has started: too late
+        >>> apply_xla_flags(DDPConfig())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: apply_xla_flags: a JAX backend has already started, ...
+    """
+    if _backend_started():
+        raise RuntimeError(
+            "apply_xla_flags: a JAX backend has already started, and XLA reads XLA_FLAGS only "
+            "when the first backend starts, so these flags would be silently ignored. Fix: call "
+            "jaxdp.apply_xla_flags(config) at the top of your script, before jax.devices(), "
+            "jax.distributed.initialize() or any array is created; or pass "
+            "compiler_options=jaxdp.xla_compiler_options(config, dp_size=...) to jax.jit / "
+            "lowered.compile(), which works at any time."
+        )
+    flags = xla_flags(
+        config, jaxlib_version, dp_size=dp_size, latency_hiding_scheduler=latency_hiding_scheduler
+    )
+    current = os.environ.get("XLA_FLAGS", "").split()
+    present = {f.lstrip("-").split("=", 1)[0] for f in current}
+    added = [f for f in flags if f.lstrip("-").split("=", 1)[0] not in present]
+    os.environ["XLA_FLAGS"] = " ".join([*current, *added])
+    return added

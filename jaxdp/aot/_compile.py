@@ -1,0 +1,217 @@
+"""Ahead-of-time compilation of a :class:`DataParallel` step from abstract values.
+
+Nothing is allocated: the state comes from ``jax.eval_shape(dp.init, params)`` with the
+engine's shardings attached, the batch is a tree of ``ShapeDtypeStruct`` sharded over the data
+axis, and ``dp.step.lower(state, batch).compile()`` gives the executable (``.as_text()``: the
+scheduled program). With compile-only devices (:func:`h100_mesh`) this is how a GPU schedule is
+inspected on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._engine import DataParallel
+from .._xla_flags import xla_compiler_options
+from ._report import Collective, ScheduleReport
+
+__all__ = [
+    "abstract_state",
+    "abstract_batch",
+    "compile_step",
+    "collective_roles",
+    "gradient_collectives",
+    "example_mlp",
+]
+
+
+def _check_engine(fn: str, dp: Any) -> None:
+    if not isinstance(dp, DataParallel):
+        raise TypeError(
+            f"{fn}: dp is a {type(dp).__name__}; expected a jaxdp.DataParallel. Fix: pass the "
+            "engine, e.g. DataParallel(loss_fn, optimizer, config, mesh=h100_mesh(8))."
+        )
+
+
+def _state_shardings(dp: DataParallel) -> Any:
+    # The engine computes its state shardings in init(); a public accessor may replace this.
+    shardings = getattr(dp, "state_shardings", None)
+    return shardings if shardings is not None else dp._shardings
+
+
+def abstract_state(dp: DataParallel, params: Any) -> Any:
+    """The engine's ``TrainState`` as ``ShapeDtypeStruct`` leaves carrying their shardings.
+
+    Runs ``jax.eval_shape(dp.init, params)`` (which also builds ``dp.layout``), so ``params``
+    may itself be abstract. Nothing is allocated.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from jaxdp import DataParallel, DDPConfig
+        >>> dp = DataParallel(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1),
+        ...                   DDPConfig(zero_stage=1))
+        >>> state = abstract_state(dp, {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32)})
+        >>> state.master["w"].shape, state.master["w"].sharding.spec == P("data")
+        ((64,), True)
+    """
+    _check_engine("abstract_state", dp)
+    abstract = jax.eval_shape(dp.init, params)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        abstract,
+        _state_shardings(dp),
+    )
+
+
+def abstract_batch(dp: DataParallel, batch: Any) -> Any:
+    """``batch`` (arrays or ``ShapeDtypeStruct``, global batch first) sharded over the data axis.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from jaxdp import DataParallel, DDPConfig
+        >>> dp = DataParallel(lambda p, b: 0.0, optax.sgd(0.1), DDPConfig())
+        >>> abstract_batch(dp, {"x": jnp.zeros((64, 3))})["x"].sharding.spec == P("data")
+        True
+    """
+    _check_engine("abstract_batch", dp)
+    sharding = NamedSharding(dp.mesh, P(dp.config.data_axis))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
+
+
+def compile_step(
+    dp: DataParallel,
+    params: Any,
+    batch: Any,
+    *,
+    compiler_options: dict[str, Any] | str | None = "jaxdp",
+) -> Any:
+    """Lower and compile ``dp.step`` for abstract ``params`` and ``batch``; nothing runs.
+
+    Args:
+        dp: the engine, typically on a mesh of compile-only devices (:func:`h100_mesh`).
+        params: the params pytree (arrays or ``ShapeDtypeStruct``).
+        batch: the global batch (arrays or ``ShapeDtypeStruct``).
+        compiler_options: ``"jaxdp"`` (default): :func:`jaxdp.xla_compiler_options` for the
+            engine's config and data-parallel size; ``None``: XLA's defaults; or a dict.
+
+    Returns:
+        The ``jax.stages.Compiled`` step; ``.as_text()`` is the scheduled program.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from jaxdp import DataParallel, DDPConfig
+        >>> dp = DataParallel(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1),
+        ...                   DDPConfig(zero_stage=1))
+        >>> params = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+        >>> batch = {"x": jax.ShapeDtypeStruct((64, 16), jnp.float32)}
+        >>> "HloModule" in compile_step(dp, params, batch, compiler_options=None).as_text()
+        True
+    """
+    _check_engine("compile_step", dp)
+    if isinstance(compiler_options, str):
+        if compiler_options != "jaxdp":
+            raise ValueError(
+                f"compile_step: compiler_options={compiler_options!r}; expected 'jaxdp', None "
+                "or a dict of XLA options. Fix: pass compiler_options='jaxdp' for jaxdp's flags."
+            )
+        opts: dict[str, Any] | None = xla_compiler_options(dp.config, dp_size=dp.dp)
+    else:
+        opts = compiler_options
+    state = abstract_state(dp, params)
+    with warnings.catch_warnings():
+        # Donation is meaningless without buffers; the lowering warns about unusable ones.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        lowered = dp.step.lower(state, abstract_batch(dp, batch))
+        return lowered.compile(compiler_options=opts) if opts else lowered.compile()
+
+
+def _grad_kinds(dp: DataParallel) -> tuple[str, ...]:
+    if dp.config.zero_stage == 0:
+        return ("all-reduce",)
+    if dp.config.reduce_scatter_with_fp32_accumulation:
+        return ("all-to-all",)
+    return ("reduce-scatter",)
+
+
+def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
+    """Label each collective of ``report``: ``"grad bucket"``, ``"param bucket"`` or ``""``.
+
+    A gradient collective is one of the kind the config reduces with (all-reduce at stage 0,
+    all-to-all with ``reduce_scatter_with_fp32_accumulation``, else reduce-scatter) moving
+    exactly one bucket's elements; a param collective is an all-gather of one bucket. A
+    collective that XLA combined from several buckets matches no bucket and gets ``""``.
+    """
+    _check_engine("collective_roles", dp)
+    numels = {b.numel for b in dp.layout.buckets}
+    grad = _grad_kinds(dp)
+    roles = []
+    for c in report.collectives:
+        if c.elements in numels and c.operands == 1 and c.kind in grad:
+            roles.append("grad bucket")
+        elif c.elements in numels and c.operands == 1 and c.kind == "all-gather":
+            roles.append("param bucket")
+        else:
+            roles.append("")
+        if roles[-1] and not c.entry:
+            roles[-1] += " (loop)"
+    return roles
+
+
+def gradient_collectives(
+    report: ScheduleReport, dp: DataParallel, *, entry_only: bool = True
+) -> tuple[Collective, ...]:
+    """The gradient-bucket collectives of ``report`` (see :func:`collective_roles`).
+
+    With ``entry_only`` (default) only those of the ENTRY computation, i.e. of the last
+    micro-batch: stage 2 with ``num_microbatches > 1`` also reduce-scatters inside the
+    micro-batch loop.
+    """
+    roles = collective_roles(report, dp)
+    return tuple(
+        c
+        for c, r in zip(report.collectives, roles, strict=True)
+        if r.startswith("grad bucket") and (c.entry or not entry_only)
+    )
+
+
+def example_mlp(
+    layers: int = 8, width: int = 512, batch: int = 64
+) -> tuple[Callable[..., Any], Any, Any]:
+    """An abstract ``layers``-deep tanh MLP: ``(loss_fn, params, batch)`` for :func:`compile_step`.
+
+    Params ``{"layer00": {"w": [width, width], "b": [width]}, ...}`` (fp32; zero-padded names
+    keep the pytree order equal to the forward order), batch ``{"x", "y"}`` of
+    ``[batch, width]``; the loss is the mean squared error of the output.
+
+    Example:
+        >>> loss_fn, params, batch = example_mlp(layers=2, width=8, batch=4)
+        >>> sorted(params), params["layer00"]["w"].shape, batch["x"].shape
+        (['layer00', 'layer01'], (8, 8), (4, 8))
+    """
+    params = {
+        f"layer{i:02d}": {
+            "w": jax.ShapeDtypeStruct((width, width), jnp.float32),
+            "b": jax.ShapeDtypeStruct((width,), jnp.float32),
+        }
+        for i in range(layers)
+    }
+    data = {
+        "x": jax.ShapeDtypeStruct((batch, width), jnp.float32),
+        "y": jax.ShapeDtypeStruct((batch, width), jnp.float32),
+    }
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        dtype = p["layer00"]["w"].dtype
+        h = b["x"].astype(dtype)
+        for i in range(layers):
+            h = jnp.tanh(h @ p[f"layer{i:02d}"]["w"] + p[f"layer{i:02d}"]["b"])
+        return jnp.mean((h.astype(jnp.float32) - b["y"]) ** 2)
+
+    return loss_fn, params, data

@@ -1,0 +1,272 @@
+"""Device-less compilation for 8 H100s and the schedule report.
+
+The GPU tests need the ``gpu-aot`` extra (jax-cuda12-plugin / jax-cuda12-pjrt at the jaxlib
+version) and skip without it. They compile DataParallel steps of an 8-layer MLP for 8
+compile-only H100s and read the scheduled GPU program: one collective per bucket (XLA did not
+re-combine them), the configured wire dtypes, and backward compute between every bucket
+collective's start and done except the last one's.
+"""
+
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from jaxdp import DataParallel, DDPConfig
+from jaxdp.aot import (
+    abstract_batch,
+    abstract_state,
+    collective_roles,
+    compile_step,
+    example_mlp,
+    gradient_collectives,
+    h100_mesh,
+    h100_topology,
+    schedule_report,
+    target_config,
+)
+from jaxdp.aot.__main__ import main as cli_main
+
+HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+WIDTH, LAYERS = 256, 8
+# two layers per bucket (w then b, in reverse order): 4 buckets for 8 layers
+BUCKET = 2 * WIDTH * (WIDTH + 1)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if not HAVE_PLUGIN:
+        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
+    try:
+        return h100_mesh(8)
+    except RuntimeError as e:  # e.g. a plugin/jaxlib version mismatch
+        pytest.skip(f"no compile-only H100 topology: {e}")
+
+
+MODES = {
+    "bf16": ({}, "bf16"),
+    "fp32": ({"grad_reduce_in_fp32": True}, "f32"),
+    "megatron": ({"reduce_scatter_with_fp32_accumulation": True}, "bf16"),
+}
+CASES = [
+    (stage, mode, g)
+    for stage in (0, 1, 2)
+    for mode in MODES
+    for g in (1, 4)
+    if not (mode == "megatron" and stage == 0)
+]
+
+
+def build(mesh, stage, mode, g):
+    loss_fn, params, batch = example_mlp(LAYERS, WIDTH, batch=64)
+    cfg = DDPConfig(
+        zero_stage=stage,
+        bucket_size=BUCKET,
+        param_dtype="bfloat16",
+        num_microbatches=g,
+        **MODES[mode][0],
+    )
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
+    return dp, params, batch
+
+
+def grad_kind(stage, mode):
+    return "all-reduce" if stage == 0 else "all-to-all" if mode == "megatron" else "reduce-scatter"
+
+
+@pytest.mark.parametrize(("stage", "mode", "g"), CASES)
+def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
+    dp, params, batch = build(mesh, stage, mode, g)
+    compiled = compile_step(dp, params, batch)  # jaxdp.xla_compiler_options
+    text = compiled.as_text()
+    report = schedule_report(text)
+    n = len(dp.layout.buckets)
+    assert n == 4
+    kind, wire = grad_kind(stage, mode), MODES[mode][1]
+
+    # One collective per bucket per step in the straight-line region (the last micro-batch),
+    # none combined: every collective of the gradient kind is exactly one bucket.
+    grads = gradient_collectives(report, dp)
+    assert len(grads) == n, report
+    assert all(c.kind == kind and c.is_async and c.dtype == wire for c in grads), report
+    big = [c for c in report.of_kind(kind) if c.elements > max(b.numel for b in dp.layout.buckets)]
+    assert not big, f"XLA combined buckets:\n{report}"
+
+    # Overlap: every bucket's collective except the last has backward compute (GEMMs of the
+    # backward pass) scheduled between its start and its done.
+    for c in grads[:-1]:
+        assert c.backward_between >= 1 and c.gemms_between >= 1, report
+
+    in_loop = [c for c in gradient_collectives(report, dp, entry_only=False) if not c.entry]
+    if stage == 2 and g > 1:
+        # by design: a reduce-scatter per micro-batch, once in the scan body and once for the
+        # peeled last micro-batch; the scan body's collectives overlap its backward too
+        assert len(in_loop) == n and all(not c.entry for c in in_loop)
+        for c in in_loop[:-1]:
+            assert c.backward_between >= 1, report
+    else:
+        assert not in_loop, report
+    if g > 1:
+        # micro-batches 1..G-1 stay in a loop; the overlapped backward in ENTRY is the last one's
+        entry = text[text.index("\nENTRY") :]
+        assert re.search(r" while\(", entry), "the micro-batch scan was unrolled"
+
+    if stage >= 1:  # params come back with one bf16 all-gather per bucket
+        ags = [c for c, r in zip(report.collectives, collective_roles(report, dp)) if "param" in r]
+        assert len(ags) == n and {c.dtype for c in ags} == {"bf16"}
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_xla_defaults_merge_the_buckets(mesh, stage):
+    """Why the flags exist: with XLA's default 30 MiB thresholds the four buckets are combined
+    into one collective at the end of the backward pass, which overlaps no backward GEMM."""
+    dp, params, batch = build(mesh, stage, "bf16", 1)
+    report = schedule_report(compile_step(dp, params, batch, compiler_options=None))
+    assert len(gradient_collectives(report, dp)) == 0
+    kind = grad_kind(stage, "bf16")
+    merged = [c for c in report.of_kind(kind) if c.elements >= 4 * BUCKET]
+    assert len(merged) == 1 and merged[0].gemms_between == 0, report
+
+
+def test_topology_devices(mesh):
+    devs = h100_topology(8)
+    assert len(devs) == 8 and {d.device_kind for d in devs} == {"NVIDIA H100 80GB HBM3"}
+    assert devs[0].client.runtime_type == "compile_only_runtime"
+    two = h100_topology(4, hosts=2)
+    assert [d.process_index for d in two] == [0] * 4 + [1] * 4
+    assert mesh.shape["data"] == 8 and mesh.axis_names == ("data",)
+
+
+def test_abstract_state_carries_the_engine_shardings(mesh):
+    dp, params, batch = build(mesh, 1, "fp32", 1)
+    state = abstract_state(dp, params)
+    leaf = state.master["layer00"]["w"]
+    assert leaf.shape == (WIDTH * WIDTH,) and leaf.sharding.spec == jax.sharding.PartitionSpec(
+        "data"
+    )
+    assert state.params["layer00"]["w"].dtype == jnp.bfloat16
+    assert state.params["layer00"]["w"].sharding.spec == jax.sharding.PartitionSpec()
+    b = abstract_batch(dp, batch)
+    assert b["x"].sharding.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+
+
+def test_cli_prints_the_table(mesh, tmp_path, capsys):
+    hlo = tmp_path / "step.hlo"
+    rc = cli_main(["--stage", "1", "--grad-reduce-in-fp32", "--width", "128", "--hlo", str(hlo)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "reduce-scatter" in out and "grad bucket" in out and "f32" in out
+    assert "4 for 4 buckets; 3 overlap backward compute" in out
+    assert "--xla_gpu_reduce_scatter_combine_threshold_bytes=" in out
+    assert hlo.read_text().startswith("HloModule")
+
+
+# ------------------------------------------------------------------ no plugin needed
+def test_target_config_holds_the_h100_facts():
+    text = target_config()
+    for fact in (
+        "core_count: 132",
+        "major: 9",
+        "shared_memory_per_core: 233472",
+        "memory_bandwidth: 3350000000000",
+        "device_memory_size: 85899345920",
+        'platform_name: "CUDA"',
+    ):
+        assert fact in text
+    with pytest.raises(ValueError, match="name='a100'"):
+        target_config("a100")
+
+
+def test_topology_arguments_are_checked():
+    with pytest.raises(ValueError, match="n=0"):
+        h100_topology(0)
+    with pytest.raises(ValueError, match="hosts=True"):
+        h100_topology(8, hosts=True)
+
+
+def test_compile_step_arguments_are_checked():
+    with pytest.raises(TypeError, match="dp is a str"):
+        compile_step("engine", {}, {})  # type: ignore[arg-type]
+    dp = DataParallel(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1), DDPConfig())
+    with pytest.raises(ValueError, match="compiler_options='fast'"):
+        compile_step(
+            dp, {"w": jnp.zeros((4, 1))}, {"x": jnp.zeros((8, 4))}, compiler_options="fast"
+        )
+
+
+SCHEDULED = """HloModule jit_step, is_scheduled=true, entry_computation_layout={()->()}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%a2a_body (p: bf16[8,16]) -> bf16[8,16] {
+  %p = bf16[8,16]{1,0} parameter(0)
+  ROOT %x = bf16[8,16]{1,0} all-to-all(%p), dimensions={0}
+}
+
+ENTRY %main (g0: f32[64], g1: f32[64], h: bf16[8,16]) -> f32[8] {
+  %g0 = f32[64]{0} parameter(0)
+  %g1 = f32[64]{0} parameter(1)
+  %h = bf16[8,16]{1,0} parameter(2)
+  %rs = ((f32[64]{0}, f32[64]{0}), (f32[8]{0}, f32[8]{0})) reduce-scatter-start(%g0, %g1), \
+dimensions={0}, to_apply=%add
+  %gemm = f32[8,8]{1,0} custom-call(%g0), custom_call_target="__cublas$gemm", \
+metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  %fus = f32[8]{0} fusion(%g1), kind=kLoop, calls=%add, metadata={op_name="jit(step)/mul"}
+  %rsd = (f32[8]{0}, f32[8]{0}) reduce-scatter-done(%rs)
+  %as = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}) async-start(%h), calls=%a2a_body
+  %ad = bf16[8,16]{1,0} async-done(%as)
+  ROOT %ar = f32[8]{0} all-reduce(%fus), to_apply=%add
+}
+"""
+
+
+def test_report_parses_combined_generic_and_sync_collectives():
+    r = schedule_report(SCHEDULED)
+    assert r.module == "jit_step"
+    rs, a2a, ar = r.collectives
+    assert (rs.kind, rs.is_async, rs.operands, rs.elements, rs.bytes) == (
+        "reduce-scatter",
+        True,
+        2,
+        128,
+        512,
+    )
+    assert (rs.compute_between, rs.gemms_between, rs.backward_between) == (2, 1, 1)
+    assert (a2a.kind, a2a.is_async, a2a.dtype, a2a.compute_between) == (
+        "all-to-all",
+        True,
+        "bf16",
+        0,
+    )
+    assert (ar.kind, ar.is_async, ar.compute_between) == ("all-reduce", False, 0)
+    assert r.async_collectives == (rs, a2a) and r.sync_collectives == (ar,)
+    assert r.of_kind("all-reduce") == (ar,)
+    assert "reduce-scatter" in str(r) and len(r.rows()) == 3
+    assert r.table(roles=["a", "b", "c"]).row_count == 3
+
+
+def test_report_rejects_what_is_not_a_schedule():
+    with pytest.raises(ValueError, match="StableHLO"):
+        schedule_report("module @jit_f attributes {mhlo.num_partitions = 8 : i32} {\n}")
+    with pytest.raises(ValueError, match="not scheduled"):
+        schedule_report("HloModule m\n\nENTRY %main () -> f32[] {\n}\n")
+    with pytest.raises(TypeError, match="compiled is a int"):
+        schedule_report(3)
+
+
+def test_step_lowers_from_eval_shape_state(mesh):
+    """The path the issue describes, without jaxdp.aot helpers: abstract state from
+    jax.eval_shape(dp.init, params), batch ShapeDtypeStructs with shardings."""
+    dp, params, batch = build(mesh, 1, "fp32", 1)
+    state = jax.eval_shape(dp.init, params)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
+    compiled = dp.step.lower(state, batch).compile()
+    assert "reduce-scatter-start" in compiled.as_text()

@@ -1,0 +1,205 @@
+"""XLA flags: thresholds that keep buckets apart, version gating checked against the installed
+jaxlib (an unknown flag aborts the process), and apply_xla_flags's timing rule."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxdp import BucketLayout, DDPConfig
+from jaxdp._xla_flags import (
+    FLAG_TABLE,
+    NEWEST_CHECKED,
+    apply_xla_flags,
+    combine_thresholds,
+    flag_available,
+    xla_compiler_options,
+    xla_flags,
+)
+
+
+def run_python(code: str, xla_flags_env: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=xla_flags_env, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# ------------------------------------------------------------ the table vs the installed jaxlib
+def test_every_flag_the_table_allows_is_accepted_by_the_installed_jaxlib():
+    allowed = [f for f in FLAG_TABLE if flag_available(f.name)]
+    assert len(allowed) >= 5
+    flags = " ".join(f"--{f.name}={f.example}" for f in allowed)
+    r = run_python("import jax; jax.devices(); print('started')", flags)
+    assert r.returncode == 0 and "started" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", [f.name for f in FLAG_TABLE if not flag_available(f.name)])
+def test_flags_the_table_denies_abort_the_installed_jaxlib(name):
+    spec = next(f for f in FLAG_TABLE if f.name == name)
+    r = run_python("import jax; jax.devices(); print('started')", f"--{name}={spec.example}")
+    assert r.returncode != 0 and "started" not in r.stdout
+    assert "Unknown flag" in r.stderr and name in r.stderr, r.stderr[-2000:]
+
+
+CFG = DDPConfig(zero_stage=1, bucket_size=10**6, param_dtype="bfloat16", grad_reduce_in_fp32=True)
+
+
+def test_the_flags_jaxdp_emits_start_a_backend():
+    code = f"""
+        import os
+        from jaxdp import DDPConfig
+        from jaxdp._xla_flags import apply_xla_flags
+        added = apply_xla_flags(DDPConfig(**{CFG.to_dict()!r}), dp_size=8)
+        import jax
+        jax.devices()
+        print(len(added), os.environ["XLA_FLAGS"])
+    """
+    r = run_python(code, "--xla_gpu_enable_latency_hiding_scheduler=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    n, env = r.stdout.strip().split(" ", 1)
+    # the user's own setting wins and is not duplicated
+    assert env.count("xla_gpu_enable_latency_hiding_scheduler") == 1
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in env
+    assert "--xla_gpu_reduce_scatter_combine_threshold_bytes=499999" in env
+    assert int(n) == len(xla_flags(CFG, dp_size=8)) - 1
+
+
+def test_apply_after_the_backend_started_says_so():
+    jax.devices()
+    before = os.environ.get("XLA_FLAGS")
+    with pytest.raises(RuntimeError, match="already started") as e:
+        apply_xla_flags(DDPConfig())
+    assert "xla_compiler_options" in str(e.value)
+    assert os.environ.get("XLA_FLAGS") == before
+
+
+# ------------------------------------------------------------------ version gating
+def test_table_has_no_duplicates_and_sane_versions():
+    names = [f.name for f in FLAG_TABLE]
+    assert len(names) == len(set(names))
+    for f in FLAG_TABLE:
+        assert f.name.startswith("xla_") and f.kind in ("bool", "int", "str")
+        if f.kind == "bool":
+            assert f.example in ("true", "false")
+        if f.kind == "int":
+            int(f.example)
+        if f.since is not None and f.removed is not None:
+            assert f.since < f.removed
+
+
+@pytest.mark.parametrize(
+    ("version", "present", "absent"),
+    [
+        ("0.4.13", {"xla_gpu_enable_latency_hiding_scheduler"}, {"heuristic"}),
+        ("0.6.2", {"xla_gpu_all_gather_combine_threshold_bytes"}, {"heuristic"}),
+        ("0.7.0", {"xla_gpu_experimental_enable_heuristic_collective_combining"}, set()),
+        ("0.10.2", {"xla_gpu_experimental_enable_heuristic_collective_combining"}, set()),
+    ],
+)
+def test_flags_follow_the_version(version, present, absent):
+    flags = xla_flags(DDPConfig(bucket_size=1000), version, dp_size=8)
+    names = {f[2:].split("=")[0] for f in flags}
+    assert present <= names
+    assert not any(a in n for a in absent for n in names)
+    for n in names:
+        assert flag_available(n, version)
+
+
+def test_version_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"jaxlib_version=0\.4\.6 is older"):
+        xla_flags(DDPConfig(), "0.4.6")
+    with pytest.raises(ValueError, match="jaxlib_version='banana'"):
+        xla_flags(DDPConfig(), "banana")
+    with pytest.warns(UserWarning, match="newer than the newest"):
+        flags = xla_flags(DDPConfig(), "99.0.0")
+    assert flags == xla_flags(DDPConfig(), ".".join(map(str, NEWEST_CHECKED)))
+    with pytest.raises(ValueError, match="not in jaxdp's FLAG_TABLE"):
+        flag_available("xla_gpu_made_up_flag")
+    assert flag_available("--xla_gpu_enable_latency_hiding_scheduler=true", (0, 10, 2))
+    with pytest.raises(ValueError, match="dp_size=0"):
+        combine_thresholds(DDPConfig(), dp_size=0)
+    with pytest.raises(TypeError, match="config is a dict"):
+        combine_thresholds({}, dp_size=8)  # type: ignore[arg-type]
+
+
+def test_compiler_options_are_typed_and_match_the_flags():
+    cfg = DDPConfig(zero_stage=2, bucket_size=123_456, param_dtype="bfloat16")
+    opts = xla_compiler_options(cfg, "0.10.2", dp_size=4)
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert opts["xla_gpu_experimental_enable_heuristic_collective_combining"] is False
+    assert opts["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 123_456 // 4 * 2 - 1
+    flags = xla_flags(cfg, "0.10.2", dp_size=4)
+    assert flags == [f"--{k}={str(v).lower()}" for k, v in opts.items()]
+    no_lhs = xla_compiler_options(cfg, "0.10.2", dp_size=4, latency_hiding_scheduler=False)
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in no_lhs
+
+
+# ------------------------------------------------------------------ thresholds
+AR, RS, AG = (
+    "xla_gpu_all_reduce_combine_threshold_bytes",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes",
+    "xla_gpu_all_gather_combine_threshold_bytes",
+)
+
+
+def test_thresholds_by_config():
+    t = combine_thresholds(DDPConfig(bucket_size=1000), dp_size=8)
+    assert t == {AR: 1999, RS: 1000 // 8 * 2 - 1, AG: 1999}  # params' dtype unknown: 2 bytes
+    t = combine_thresholds(DDPConfig(bucket_size=1000, param_dtype="float32"), dp_size=8)
+    assert t == {AR: 3999, RS: 499, AG: 3999}
+    t = combine_thresholds(DDPConfig(bucket_size=1000, grad_reduce_in_fp32=True, zero_stage=1))
+    assert t == {AR: 3999, RS: 0, AG: 1999}  # dp unknown: never combine reduce-scatters
+    # "auto" is Megatron's max(40M, 1M * dp); its lower bound when dp is unknown
+    assert combine_thresholds(DDPConfig())[AR] == 40_000_000 * 2 - 1
+    assert combine_thresholds(DDPConfig(), dp_size=64)[AR] == 64_000_000 * 2 - 1
+    # one bucket per buffer: nothing to keep apart, XLA's defaults stay
+    assert combine_thresholds(DDPConfig(bucket_size=None)) == {}
+    assert combine_thresholds(DDPConfig(bucket_size=1000, overlap_grad_reduce=False)) == {}
+    assert AR not in xla_compiler_options(DDPConfig(bucket_size=None), "0.10.2")
+
+
+def mlp_shapes(dtype, depth=6, width=96):
+    return {
+        f"l{i}": {
+            "w": jax.ShapeDtypeStruct((width, width), dtype),
+            "b": jax.ShapeDtypeStruct((width,), dtype),
+        }
+        for i in range(depth)
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("fp32", [False, True])
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("dp", [2, 8])
+def test_no_two_buckets_fit_under_the_thresholds(stage, fp32, param_dtype, dp):
+    """What XLA's combiners count, per real bucket: every bucket but the last of its buffer is
+    over the threshold (so the combiner leaves it alone); the thresholds are not needlessly
+    small either (within a factor 4 of the smallest full bucket: buckets overshoot bucket_size
+    by up to one parameter, and bf16 is assumed when the params' dtype is unknown)."""
+    cfg = DDPConfig(
+        zero_stage=stage, bucket_size=20_000, grad_reduce_in_fp32=fp32, param_dtype=param_dtype
+    )
+    layout = BucketLayout.from_params(mlp_shapes(jnp.float32), cfg, dp)
+    assert len(layout.buckets) >= 3
+    t = combine_thresholds(cfg, dp_size=dp)
+    grad_b = 4 if (fp32 or param_dtype is None) else 2
+    param_b = 2 if param_dtype == "bfloat16" else 4
+    full = layout.buckets[:-1]
+    if stage == 0:
+        sizes = [b.numel * grad_b for b in full]
+        assert all(s > t[AR] for s in sizes) and min(sizes) <= 4 * (t[AR] + 1)
+    else:
+        rs = [b.numel // dp * grad_b for b in full]
+        ag = [b.numel * param_b for b in full]
+        assert all(s > t[RS] for s in rs) and min(rs) <= 4 * (t[RS] + 1)
+        assert all(s > t[AG] for s in ag) and min(ag) <= 4 * (t[AG] + 1)
