@@ -3,6 +3,7 @@
 Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard_map``.
 """
 
+from . import aot as aot
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._config import DDPConfig as DDPConfig
 from ._config import default_bucket_size as default_bucket_size
@@ -23,6 +24,10 @@ from ._reduce import all_to_all_fp32_reduce_scatter as all_to_all_fp32_reduce_sc
 from ._reduce import reduce_buckets as reduce_buckets
 from ._reduce import reduce_gradients as reduce_gradients
 from ._reduce import ring_reduce_scatter as ring_reduce_scatter
+from ._xla_flags import apply_xla_flags as apply_xla_flags
+from ._xla_flags import combine_thresholds as combine_thresholds
+from ._xla_flags import xla_compiler_options as xla_compiler_options
+from ._xla_flags import xla_flags as xla_flags
 
 __version__ = "0.1.0"
 
@@ -35,7 +40,10 @@ __all__ = [
     "DataParallel",
     "ParamSlot",
     "TrainState",
+    "aot",
     "all_to_all_fp32_reduce_scatter",
+    "apply_xla_flags",
+    "combine_thresholds",
     "bucket_end_divisor",
     "default_bucket_size",
     "dp_size",
@@ -47,4 +55,6 @@ __all__ = [
     "reduce_buckets",
     "reduce_gradients",
     "ring_reduce_scatter",
+    "xla_compiler_options",
+    "xla_flags",
 ]

@@ -195,6 +195,12 @@ class DataParallel:
             )
         return self._layout
 
+    @property
+    def state_shardings(self) -> TrainState:
+        """The ``NamedSharding`` of every :class:`TrainState` leaf (available after ``init``)."""
+        self.layout  # noqa: B018 - raises a clear error before init
+        return self._shardings
+
     def _sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 

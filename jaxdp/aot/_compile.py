@@ -40,12 +40,6 @@ def _check_engine(fn: str, dp: Any) -> None:
         )
 
 
-def _state_shardings(dp: DataParallel) -> Any:
-    # The engine computes its state shardings in init(); a public accessor may replace this.
-    shardings = getattr(dp, "state_shardings", None)
-    return shardings if shardings is not None else dp._shardings
-
-
 def abstract_state(dp: DataParallel, params: Any) -> Any:
     """The engine's ``TrainState`` as ``ShapeDtypeStruct`` leaves carrying their shardings.
 
@@ -66,7 +60,7 @@ def abstract_state(dp: DataParallel, params: Any) -> Any:
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         abstract,
-        _state_shardings(dp),
+        dp.state_shardings,
     )
 
 
