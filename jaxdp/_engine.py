@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
 from ._layout import BucketLayout
+from ._mesh import auto_mesh, make_mesh
 from ._mesh import dp_size as _dp_size
-from ._mesh import make_mesh
 from ._optim_check import check_optimizer
 from ._reduce import reduce_buckets
 
@@ -127,7 +127,8 @@ class DataParallel:
             ``(loss_sum, num_tokens)``.
         optimizer: an ``optax.GradientTransformation``.
         config: a :class:`DDPConfig`.
-        mesh: a mesh with ``config.data_axis`` (default: :func:`make_mesh` over all devices).
+        mesh: a mesh with ``config.data_axis`` (default: :func:`make_mesh` over all devices);
+            its axes are used as ``Auto`` axes (see :func:`jaxdp._mesh.auto_mesh`).
         donate: donate the input state to the step (saves a copy of params and optimizer
             state; the input state is unusable afterwards).
 
@@ -177,7 +178,7 @@ class DataParallel:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
-        self.mesh = make_mesh(mesh, axis=config.data_axis)
+        self.mesh = auto_mesh(make_mesh(mesh, axis=config.data_axis))
         self.dp = _dp_size(self.mesh, config.data_axis)
         self.donate = donate
         self._layout: BucketLayout | None = None

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["make_mesh", "dp_size"]
+__all__ = ["make_mesh", "dp_size", "auto_mesh"]
 
 
 def make_mesh(devices: Sequence[Any] | Mesh | None = None, axis: str = "data") -> Mesh:
@@ -59,3 +59,15 @@ def dp_size(mesh: Mesh, axis: str = "data") -> int:
             "Fix: set DDPConfig.data_axis to the mesh's data axis."
         )
     return int(mesh.shape[axis])
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis of type ``Auto`` (same devices and names).
+
+    jaxdp places its arrays itself and does its collectives by hand in ``shard_map``; with
+    ``Explicit`` axes (jax's default for ``jax.make_mesh``) sharding-in-types would reject the
+    reshapes between the flat sharded optimizer view and the parameter shapes.
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

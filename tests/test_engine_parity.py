@@ -165,3 +165,25 @@ def test_init_under_eval_shape_allocates_nothing(data):
     leaf = jax.tree.leaves(abstract.master)[0]
     assert isinstance(leaf, jax.ShapeDtypeStruct)
     assert dp.layout.kind == "interleaved"
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_explicit_mesh_and_unsharded_batches(data, stage):
+    """A jax.make_mesh mesh (Explicit axes) and batches placed any way give the same result."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    params, batches = data
+    mesh = jax.make_mesh((8,), ("data",))  # Explicit axis types, jax's default
+    opt = optax.adam(1e-2)
+    ref, _ = reference_train(mse_loss, opt, params, batches[:3])
+    dp = DataParallel(mse_loss, opt, DDPConfig(zero_stage=stage, num_microbatches=2), mesh=mesh)
+    state = dp.init(params)
+    placed = [
+        batches[0],  # host/default-device arrays
+        jax.device_put(batches[1], NamedSharding(mesh, P("data"))),  # on the Explicit mesh
+        dp.shard_batch(batches[2]),
+    ]
+    for b in placed:
+        state, _ = dp.step(state, b)
+    assert max_rel_err(dp.params(state), ref) < 1e-6
