@@ -35,6 +35,7 @@ sys.path.insert(0, HERE)
 
 import bench_layout  # noqa: E402
 import bench_memory  # noqa: E402
+import bench_memory_gpu  # noqa: E402
 import bench_step  # noqa: E402
 import jax  # noqa: E402
 
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     layout, layout_log, t_layout = _run(bench_layout.main)
     step, _, t_step = _run(bench_step.main)
     memory, _, t_memory = _run(bench_memory.main)
+    gpu_memory, _, t_gpu = _run(bench_memory_gpu.main)
 
     layout_md = "\n".join(
         [
@@ -258,6 +260,18 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 {memory["markdown"]}
 
 {memory_analysis(memory)}
+
+## 4. Memory per device on 8 x H100, compile-only: `bench/bench_memory_gpu.py` ({t_gpu:.0f} s)
+
+{gpu_memory["markdown"]}
+
+Reading: this is the program the GPU would run (no CPU bf16 rewriting). With G = 1, stage 0
+(16.0 B/param) and stage 1 (5.5 B/param with several buckets; one 40M bucket adds the packed copy
+of the gradients, +9%) match the ZeRO formulas. Stage 2 keeps the sharded accumulator it
+promises, but each micro-batch still materialises its full bf16 local gradient (~2 B/param of
+temp) before the reduce-scatter, so it stays above the 2Ψ + 14Ψ/N line; with G = 1 it is the
+stage-1 program. With G > 1 and one bucket, the full fp32 accumulator and the per-micro-batch
+gradients coexist (~8 B/param temp); several buckets roughly halve that.
 """
     with open(args.out, "w") as f:
         f.write(doc)
