@@ -54,19 +54,20 @@ def _check_bool(field: str, value: Any) -> None:
         )
 
 
-def _canonical_dtype(value: Any) -> str | None:
-    if value is None:
+def _canonical_dtype(field: str, value: Any, allow_none: bool) -> str | None:
+    if value is None and allow_none:
         return None
     try:
-        name = np.dtype(value).name
+        name = None if value is None else np.dtype(value).name
     except TypeError:
         name = None
     if name is None or name not in _FLOAT_DTYPES:
+        what = "None (keep the params' own dtypes) or " if allow_none else ""
         raise _err(
-            "param_dtype",
+            field,
             value,
-            f"None (keep the params' own dtypes) or a floating dtype name, one of {_FLOAT_DTYPES}",
-            "pass e.g. param_dtype='bfloat16' (or jnp.bfloat16)",
+            f"{what}a floating dtype name, one of {_FLOAT_DTYPES}",
+            f"pass e.g. {field}='{'bfloat16' if allow_none else 'float32'}' (or a jnp dtype)",
             TypeError if name is None else ValueError,
         )
     return name
@@ -104,6 +105,9 @@ class DDPConfig:
             are normalised by the global token count.
         param_dtype: Working dtype of the model params (e.g. ``"bfloat16"``); the optimizer owns
             an fp32 master copy. ``None`` keeps the params' own dtypes.
+        main_grads_dtype: Dtype of the gradient accumulators that sum micro-batches locally
+            (Megatron's ``main_grads_dtype``, default ``"float32"``); gradients are cast to the
+            wire dtype only at the collective.
         data_axis: Name of the mesh axis that data parallelism runs over.
         own_bucket_param_patterns: ``fnmatch`` patterns over parameter paths (``"a/b/c"``) of
             parameters that get a bucket of their own (Megatron's ``shared_embedding``, for tied
@@ -133,6 +137,7 @@ class DDPConfig:
     num_microbatches: int = 1
     calculate_per_token_loss: bool = False
     param_dtype: str | None = None
+    main_grads_dtype: str = "float32"
     data_axis: str = "data"
     own_bucket_param_patterns: tuple[str, ...] = ()
     bucket_layout: Literal["interleaved", "megatron"] = "interleaved"
@@ -219,7 +224,14 @@ class DDPConfig:
             )
         object.__setattr__(self, "num_microbatches", int(m))
 
-        object.__setattr__(self, "param_dtype", _canonical_dtype(self.param_dtype))
+        object.__setattr__(
+            self, "param_dtype", _canonical_dtype("param_dtype", self.param_dtype, True)
+        )
+        object.__setattr__(
+            self,
+            "main_grads_dtype",
+            _canonical_dtype("main_grads_dtype", self.main_grads_dtype, False),
+        )
 
         ax = self.data_axis
         if not isinstance(ax, str):

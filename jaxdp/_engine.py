@@ -57,7 +57,7 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def _count_leading(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
+def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
     out = []
     for kp, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         # Read shape/dtype from the array itself: np.asarray would copy a device array to the
@@ -285,7 +285,7 @@ class DataParallel:
         )
 
     def _check_batch(self, batch: Any, local: bool = False) -> None:
-        sig = _count_leading(batch)
+        sig = _batch_signature(batch)
         if not sig:
             raise ValueError(
                 "DataParallel.step: the batch has no array leaves; expected a pytree of arrays "
@@ -372,7 +372,7 @@ class DataParallel:
         wv = jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
         mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
         grad_fn = jax.value_and_grad(self._loss_parts, has_aux=True)
-        acc_dt = jnp.float32
+        acc_dt = jnp.dtype(cfg.main_grads_dtype)
         stage2 = cfg.zero_stage == 2 and g > 1
 
         def finite_flags(grads):
@@ -414,7 +414,7 @@ class DataParallel:
         (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
 
         red = acc if stage2 else reduce_buckets(acc, layout, cfg, num_microbatches=g)
-        red = tuple(r.astype(acc_dt) for r in red)
+        red = tuple(r.astype(jnp.float32) for r in red)
         metrics: dict[str, Any] = {}
         if cfg.calculate_per_token_loss:
             tokens = jax.lax.psum(ntok, axis)

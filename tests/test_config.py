@@ -32,6 +32,8 @@ BAD_VALUES = [
     ("calculate_per_token_loss", "true", TypeError, "a bool"),
     ("param_dtype", "int32", ValueError, "a floating dtype name"),
     ("param_dtype", "floaty", TypeError, "a floating dtype name"),
+    ("main_grads_dtype", None, TypeError, "a floating dtype name"),
+    ("main_grads_dtype", "int8", ValueError, "a floating dtype name"),
     ("data_axis", "", ValueError, "a non-empty mesh axis name"),
     ("data_axis", 3, TypeError, "the str name of a mesh axis"),
     ("own_bucket_param_patterns", "*embed*", TypeError, "wrap a single pattern in a tuple"),

@@ -135,3 +135,16 @@ def test_lower_from_abstract_state_is_the_real_program():
     # Same donation (aliasing) and the same buffers as the program step() runs.
     assert mem_abstract.alias_size_in_bytes == mem_real.alias_size_in_bytes > 0
     assert mem_abstract.argument_size_in_bytes == mem_real.argument_size_in_bytes
+
+
+@pytest.mark.parametrize(("dtype", "short"), [("float32", "f32"), ("bfloat16", "bf16")])
+def test_accumulator_dtype_survives_the_scan(dtype, short):
+    cfg = DDPConfig(num_microbatches=4, main_grads_dtype=dtype, bucket_size=200)
+    dp = DataParallel(mse_loss, optax.adam(1e-3), cfg)
+    state = dp.init(mlp_params())
+    text = dp.step.lower(state, dp.shard_batch(make_batch(64))).as_text()
+    header = next(line for line in text.splitlines() if "stablehlo.while" in line)
+    carried = set(re.findall(r"tensor<(\d+)x(\w+)>", header))
+    for b in dp.layout.buckets:
+        # The flat bucket accumulators are carried through the scan in main_grads_dtype.
+        assert (str(b.numel), short) in carried, (b.numel, carried)
