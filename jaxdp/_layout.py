@@ -356,35 +356,38 @@ class BucketLayout:
                 out.append(self._pack_contiguous(b, leaves, dt))
         return tuple(out)
 
-    def _pack_contiguous(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
-        pieces, cursor = [], b.start
+    def _fill(self, b: Bucket, pieces: dict[int, jax.Array], dt: Any, rows: int = 0) -> jax.Array:
+        """Concatenate ``b``'s per-slot pieces along the last axis with zero gaps and end padding.
+
+        ``pieces[i]`` spans columns ``[start, end)`` of slot ``i``; with ``rows`` the pieces are
+        ``[rows, end - start]`` matrices (interleaved buckets) and the result is flattened.
+        """
+        lead = (rows,) if rows else ()
+        out, cursor = [], b.start
         for i in b.slots:
             s = self.slots[i]
             if s.start > cursor:
-                pieces.append(jnp.zeros((s.start - cursor,), dt))
-            pieces.append(jnp.ravel(leaves[i]).astype(dt))
+                out.append(jnp.zeros((*lead, s.start - cursor), dt))
+            out.append(pieces[i].astype(dt))
             cursor = s.end
         if b.end > cursor:
-            pieces.append(jnp.zeros((b.end - cursor,), dt))
-        return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+            out.append(jnp.zeros((*lead, b.end - cursor), dt))
+        full = out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
+        return full.reshape(-1)
+
+    def _pack_contiguous(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
+        return self._fill(b, {i: jnp.ravel(leaves[i]) for i in b.slots}, dt)
 
     def _pack_interleaved(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
-        dp = self.dp_size
-        pieces, cursor = [], b.start
+        dp, pieces = self.dp_size, {}
         for i in b.slots:
             s = self.slots[i]
-            if s.start > cursor:
-                pieces.append(jnp.zeros((dp, s.start - cursor), dt))
             k = s.end - s.start
-            flat = jnp.ravel(leaves[i]).astype(dt)
+            flat = jnp.ravel(leaves[i])
             if dp * k > s.size:
                 flat = jnp.pad(flat, (0, dp * k - s.size))
-            pieces.append(flat.reshape(dp, k))
-            cursor = s.end
-        if b.end > cursor:
-            pieces.append(jnp.zeros((dp, b.end - cursor), dt))
-        mat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
-        return mat.reshape(-1)
+            pieces[i] = flat.reshape(dp, k)
+        return self._fill(b, pieces, dt, rows=dp)
 
     def unpack(self, flat: Any) -> Any:
         """Inverse of :meth:`pack`: one 1-D array per bucket back to the params pytree.
@@ -451,20 +454,10 @@ class BucketLayout:
                 for v, b in zip(view, self.buckets, strict=True)
             )
         leaves = jax.tree_util.tree_leaves(view)
-        out = []
-        for b in self.buckets:
-            dt = jnp.dtype(dtype if dtype is not None else b.dtype)
-            pieces, cursor = [], b.start
-            for i in b.slots:
-                s = self.slots[i]
-                if s.start > cursor:
-                    pieces.append(jnp.zeros((s.start - cursor,), dt))
-                pieces.append(leaves[i].astype(dt))
-                cursor = s.end
-            if b.end > cursor:
-                pieces.append(jnp.zeros((b.end - cursor,), dt))
-            out.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
-        return tuple(out)
+        return tuple(
+            self._fill(b, {i: leaves[i] for i in b.slots}, dtype if dtype is not None else b.dtype)
+            for b in self.buckets
+        )
 
     def to_global_view(self, tree: Any, dtype: Any = None) -> Any:
         """Full params-shaped pytree -> the global shard view (shard it along axis 0)."""
