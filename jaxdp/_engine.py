@@ -184,6 +184,7 @@ class DataParallel:
         self._layout: BucketLayout | None = None
         self._batch_sig: Any = None
         self._step: _Step | None = None
+        self._export: Any = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -489,12 +490,13 @@ class DataParallel:
         """
         if state.master is None:
             return state.params
+        if self._export is None:  # jit once: eval loops call this every few steps
+            self._export = jax.jit(self._export_fn, out_shardings=self._sharding(P()))
+        return self._export(state.master)
+
+    def _export_fn(self, master: Any) -> Any:
         layout = self.layout
-
-        def export(master):
-            full = layout.from_global_view(master) if self._sharded else master
-            leaves = jax.tree_util.tree_leaves(full)
-            cast = [x.astype(s.dtype) for x, s in zip(leaves, layout.slots, strict=True)]
-            return jax.tree_util.tree_unflatten(layout.treedef, cast)
-
-        return jax.jit(export, out_shardings=self._sharding(P()))(state.master)
+        full = layout.from_global_view(master) if self._sharded else master
+        leaves = jax.tree_util.tree_leaves(full)
+        cast = [x.astype(s.dtype) for x, s in zip(leaves, layout.slots, strict=True)]
+        return jax.tree_util.tree_unflatten(layout.treedef, cast)

@@ -152,7 +152,5 @@ def reduce_gradients(grads: Any, layout: BucketLayout, config: DDPConfig) -> Any
     reduced = reduce_buckets(flat, layout, config)
     if layout.kind == "contiguous":
         out = layout.unpack(reduced)
-        return jax.tree.map(
-            lambda g, ref: g.astype(ref.dtype), out, grads, is_leaf=lambda x: x is None
-        )
+        return jax.tree.map(lambda g, ref: g.astype(ref.dtype), out, grads)
     return layout.shard_view(reduced)
