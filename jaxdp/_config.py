@@ -95,6 +95,15 @@ class DDPConfig:
         reduce_scatter_with_fp32_accumulation: Megatron's variant: gradients travel in their own
             (e.g. bf16) dtype with an ``all_to_all`` and each rank sums its shard in fp32, then
             casts once. Needs a distributed optimizer (``zero_stage >= 1``).
+        deterministic_reduction: Sum every gradient bucket and every metric in a fixed rank
+            order (an ``all_to_all`` plus an ordered local sum in fp32 for gradients, an
+            all-gather plus an ordered sum for scalars), so results are bit-identical however
+            the devices are split into processes and whatever algorithm the collective library
+            picks. Gradients are then summed in fp32 whatever the wire dtype (as with
+            ``reduce_scatter_with_fp32_accumulation``); at ``zero_stage=0`` each bucket becomes
+            an ``all_to_all`` plus an ``all_gather`` (the bytes of a ring all-reduce). Costs
+            speed where the collective library's fused reduce-scatter is faster than an
+            ``all_to_all`` (NCCL on GPU); see BENCHMARKS.md.
         pad_buckets_for_high_nccl_busbw: Pad bucket ends to ``lcm(dp, 128, 2**16)`` elements
             instead of ``lcm(dp, 128)`` (distributed optimizer only).
         check_for_nan_in_grad: Check each bucket's local gradients for NaN/Inf before the
@@ -131,6 +140,7 @@ class DDPConfig:
     average_in_collective: bool = False
     grad_reduce_in_fp32: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
+    deterministic_reduction: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
     check_for_nan_in_grad: bool = False
     clip_grad: float | None = None
@@ -184,6 +194,7 @@ class DDPConfig:
             "average_in_collective",
             "grad_reduce_in_fp32",
             "reduce_scatter_with_fp32_accumulation",
+            "deterministic_reduction",
             "pad_buckets_for_high_nccl_busbw",
             "check_for_nan_in_grad",
             "calculate_per_token_loss",
