@@ -433,7 +433,7 @@ class DataParallel:
             metrics["loss"] = metric_sum(loss / g, cfg) / self.dp
         if aux_sum is not None and jax.tree.leaves(aux_sum):
             metrics["aux"] = jax.tree.map(lambda a: metric_sum(a / g, cfg) / self.dp, aux_sum)
-        sq = sum(jnp.sum(jnp.square(r)) for r in red)
+        sq = jnp.sum(jnp.stack([jnp.sum(jnp.square(r)) for r in red]))
         if self._sharded:
             sq = metric_sum(sq, cfg)
         metrics["grad_norm"] = jnp.sqrt(sq)
