@@ -3,6 +3,10 @@
 Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard_map``.
 """
 
+from ._platform import prepare_jax as _prepare_jax
+
+_prepare_jax()  # before anything imports jax: no CUDA noise on machines without a GPU
+
 from . import aot as aot
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._config import DDPConfig as DDPConfig
