@@ -4,6 +4,7 @@ Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard
 """
 
 from . import aot as aot
+from . import nn as nn
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._config import DDPConfig as DDPConfig
 from ._config import default_bucket_size as default_bucket_size
@@ -48,6 +49,7 @@ __all__ = [
     "default_bucket_size",
     "dp_size",
     "make_mesh",
+    "nn",
     "pad_bucket_end",
     "pad_param_start",
     "pad_to_divisor",
