@@ -26,6 +26,10 @@ from ._fusion import _SCOPE, fused_matmul, fusion_dtype
 __all__ = ["Dense", "DenseGeneral", "Linear"]
 
 
+def _module_path(module: linen.Module) -> tuple[str, ...]:
+    return tuple(module.scope.path) if module.scope is not None else ()
+
+
 def _bias_shape(y: jax.Array, bias: jax.Array, n_features: int) -> jax.Array:
     return jnp.reshape(bias, (1,) * (y.ndim - n_features) + bias.shape)
 
@@ -47,18 +51,18 @@ class Dense(linen.Dense):
     """
 
     @linen.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: Any) -> jax.Array:
         if _SCOPE.get() is None or self.dot_general is not None or self.dot_general_cls is not None:
             return super().__call__(inputs)
-        kernel = self.param(
+        kernel: Any = self.param(
             "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
         )
-        bias = (
+        bias: Any = (
             self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias
             else None
         )
-        work = fusion_dtype(kernel, self.scope.path)
+        work = fusion_dtype(kernel, _module_path(self))
         if work is None:  # flax's computation, verbatim
             inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
             y = lax.dot_general(
@@ -89,7 +93,7 @@ class DenseGeneral(linen.DenseGeneral):
     """
 
     @linen.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: Any) -> jax.Array:
         if (
             _SCOPE.get() is None
             or self.batch_dims
@@ -98,7 +102,9 @@ class DenseGeneral(linen.DenseGeneral):
         ):
             return super().__call__(inputs)
         features = linen.linear._canonicalize_tuple(self.features)
-        axis = linen.linear._normalize_axes(linen.linear._canonicalize_tuple(self.axis), inputs.ndim)
+        axis = linen.linear._normalize_axes(
+            linen.linear._canonicalize_tuple(self.axis), inputs.ndim
+        )
         n_axis = len(axis)
         kernel_shape = tuple(inputs.shape[a] for a in axis) + features
         k_in = int(np.prod(kernel_shape[:n_axis]))
@@ -114,13 +120,13 @@ class DenseGeneral(linen.DenseGeneral):
 
             return wrapped
 
-        kernel = self.param(
+        kernel: Any = self.param(
             "kernel",
             flat_init(self.kernel_init, kernel_shape, (k_in, k_out)),
             kernel_shape,
             self.param_dtype,
         )
-        bias = (
+        bias: Any = (
             self.param(
                 "bias", flat_init(self.bias_init, features, (k_out,)), features, self.param_dtype
             )
@@ -128,7 +134,7 @@ class DenseGeneral(linen.DenseGeneral):
             else None
         )
         contract = tuple(range(n_axis))
-        work = fusion_dtype(kernel, self.scope.path)
+        work = fusion_dtype(kernel, _module_path(self))
         if work is None:
             inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
             y = lax.dot_general(

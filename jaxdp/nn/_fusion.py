@@ -221,4 +221,3 @@ def fused_value_and_grad(
             return fun(p, batch)
 
     return diff, jax.value_and_grad(wrapped, has_aux=has_aux)
-
