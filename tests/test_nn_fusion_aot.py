@@ -98,6 +98,7 @@ def consumers(text, name):
     comps = computations(text)
     found = []
     for line in text.splitlines():
+        line = re.sub(r"/\*index=\d+\*/", "", line)  # operand lists carry /*index=N*/
         if re.search(rf"[(,] ?%{re.escape(name)}[,)]", line) and not line.lstrip().startswith(
             "ROOT %tuple"
         ):
