@@ -100,8 +100,8 @@ def test_gpt_scan_marks_only_jaxdp_kernels():
         "blocks/out/kernel",
         "head/kernel",
     }
-    val, grads = vg(diff, batch)
-    assert val == loss(p, batch)
+    val, grads = jax.jit(vg)(diff, batch)
+    assert val == jax.jit(loss)(p, batch)
     assert grads["blocks"]["fc"]["kernel"].dtype == jnp.float32
     assert grads["blocks"]["fc"]["kernel"].shape == p["blocks"]["fc"]["kernel"].shape
 

@@ -26,6 +26,17 @@ no scope is active and the layers are flax's own code path. Layers that cannot f
 ``dot_general``, ``DenseGeneral`` with ``batch_dims``) keep the unfused path and lose nothing.
 Pipeline-parallel deferral of the embedding weight gradient (Megatron's
 ``defer_embedding_wgrad_compute``) is out of scope.
+
+Limits, all of which fall back to correct but unfused (or differently promoted) behaviour:
+
+* a fused kernel that ``loss_fn`` also reads outside its jaxdp layer (e.g. a tied output
+  projection written as ``x @ params["head"]["kernel"].T``) is fp32 there too: cast it to the
+  working dtype at that use;
+* linen kernels are matched by module path relative to the ``apply`` root, suffix-matched against
+  the params tree; two models applied in one ``loss_fn`` whose jaxdp and non-jaxdp layers share
+  a relative path would both be marked;
+* nnx layers are matched by array identity, so ``nnx.scan``/``nnx.vmap``-ed ``Linear`` layers
+  (which see slices) keep the unfused path; linen ``nn.scan`` fuses.
 """
 
 from __future__ import annotations
@@ -70,7 +81,11 @@ def _scope(scope: _Scope) -> Iterator[_Scope]:
 
 
 def _match(leaf_path: str, paths: set[str] | dict[str, Any]) -> str | None:
-    for p in paths:
+    # Module paths are relative to the ``apply`` root, the leaf path to the params tree the
+    # engine holds (which may wrap it, e.g. ``{"params": ...}``): exact first, then suffix.
+    if leaf_path in paths:
+        return leaf_path
+    for p in sorted(paths):
         if leaf_path == p or leaf_path.endswith("/" + p):
             return p
     return None
