@@ -8,6 +8,7 @@ from ._platform import prepare_jax as _prepare_jax
 _prepare_jax()  # before anything imports jax: no CUDA noise on machines without a GPU
 
 from . import aot as aot
+from . import nn as nn
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._config import DDPConfig as DDPConfig
 from ._config import default_bucket_size as default_bucket_size
@@ -52,6 +53,7 @@ __all__ = [
     "default_bucket_size",
     "dp_size",
     "make_mesh",
+    "nn",
     "pad_bucket_end",
     "pad_param_start",
     "pad_to_divisor",

@@ -125,6 +125,10 @@ class DDPConfig:
             is split into ``dp`` equal pieces and rank ``r`` owns piece ``r`` of every parameter,
             so optimizer state keeps the params' tree structure) or ``"megatron"`` (contiguous
             buckets cut into ``dp`` contiguous shards, Megatron's exact padding rules).
+        gradient_accumulation_fusion: Compute the weight gradients of :mod:`jaxdp.nn` layers as
+            ``dot(x, dy, preferred_element_type=float32)`` from low-precision operands, added
+            into the fp32 accumulator without a bf16 rounding (Megatron's
+            ``wgrad_gemm_accum_fp32``). Other layers are unaffected.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -151,6 +155,7 @@ class DDPConfig:
     data_axis: str = "data"
     own_bucket_param_patterns: tuple[str, ...] = ()
     bucket_layout: Literal["interleaved", "megatron"] = "interleaved"
+    gradient_accumulation_fusion: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -198,6 +203,7 @@ class DDPConfig:
             "pad_buckets_for_high_nccl_busbw",
             "check_for_nan_in_grad",
             "calculate_per_token_loss",
+            "gradient_accumulation_fusion",
         ):
             _check_bool(name, getattr(self, name))
             object.__setattr__(self, name, bool(getattr(self, name)))

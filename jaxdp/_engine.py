@@ -33,6 +33,7 @@ from ._mesh import auto_mesh, make_mesh
 from ._mesh import dp_size as _dp_size
 from ._optim_check import check_optimizer
 from ._reduce import finish_deferred, metric_sum, reduce_buckets, reduce_microbatch_buckets
+from .nn._fusion import fused_value_and_grad
 
 __all__ = ["DataParallel", "TrainState"]
 
@@ -373,6 +374,9 @@ class DataParallel:
         wv = jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
         mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
         grad_fn = jax.value_and_grad(self._loss_parts, has_aux=True)
+        if cfg.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
+            mb_ex = jax.tree.map(lambda x: x[0], mbs)
+            wv, grad_fn = fused_value_and_grad(self._loss_parts, wv, mb_ex, has_aux=True)
         acc_dt = jnp.dtype(cfg.main_grads_dtype)
         stage2 = cfg.zero_stage == 2 and g > 1
         stage2_divisor: list[int] = []

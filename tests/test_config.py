@@ -40,6 +40,7 @@ BAD_VALUES = [
     ("own_bucket_param_patterns", "*embed*", TypeError, "wrap a single pattern in a tuple"),
     ("own_bucket_param_patterns", ("ok", 3), TypeError, "non-empty pattern strings only"),
     ("bucket_layout", "ring", ValueError, "one of ('interleaved', 'megatron')"),
+    ("gradient_accumulation_fusion", "yes", TypeError, "a bool"),
 ]
 
 
