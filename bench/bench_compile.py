@@ -265,7 +265,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(quick: bool = False) -> dict[str, Any]:
-    res = run((5,) if quick else (5, 50, 500), rounds=1 if quick else 3)
+    res = run((5,) if quick else (5, 50, 500), rounds=1 if quick else 2)
     res["markdown"] = markdown(res)
     return res
 
