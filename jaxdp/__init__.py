@@ -4,6 +4,8 @@ Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard
 """
 
 from . import aot as aot
+from ._checkpoint import CheckpointManager as CheckpointManager
+from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._config import DDPConfig as DDPConfig
 from ._config import default_bucket_size as default_bucket_size
@@ -34,6 +36,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AUTO_BUCKET_SIZE",
     "Bucket",
+    "CheckpointManager",
+    "CheckpointMismatchError",
     "BucketLayout",
     "Buffer",
     "DDPConfig",
