@@ -4,6 +4,7 @@ Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard
 """
 
 from . import aot as aot
+from ._batching import microbatches as microbatches
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
@@ -52,6 +53,7 @@ __all__ = [
     "default_bucket_size",
     "dp_size",
     "make_mesh",
+    "microbatches",
     "pad_bucket_end",
     "pad_param_start",
     "pad_to_divisor",
