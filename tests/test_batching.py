@@ -16,7 +16,7 @@ def test_error_names_all_three_and_nearest_choices():
     msg = str(e.value)
     for part in ("global_batch=96", "8 x 8 = 64", "global_batch=64 or 128", "micro_batch=4 or 6"):
         assert part in msg, msg
-    with pytest.raises(ValueError, match="global_batch=100.*not even divisible by dp=8"):
+    with pytest.raises(ValueError, match=r"global_batch=100.*not even divisible by dp=8"):
         microbatches(100, 8, 8)
 
 
