@@ -114,7 +114,7 @@ def next_byte_loss(model: GPT, params: Any, batch: dict[str, jax.Array]) -> jax.
         True
     """
     tokens = batch["tokens"]
-    logits = model.apply({"params": params}, tokens[:, :-1])
+    logits: Any = model.apply({"params": params}, tokens[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
     return jnp.mean(ce)
 
