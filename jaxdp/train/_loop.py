@@ -74,7 +74,8 @@ class Trainer:
         self.model = GPT(cfg.model)
         key = jax.random.key(t.seed)
         dummy = jnp.zeros((1, cfg.model.context), jnp.int32)
-        self.params0 = jax.jit(self.model.init)(key, dummy)["params"]
+        # Host copies: every process starts from the same values, committed to no device.
+        self.params0 = jax.tree.map(np.asarray, jax.jit(self.model.init)(key, dummy)["params"])
         model = self.model
 
         def loss_fn(params: Any, batch: Any) -> jax.Array:
