@@ -5,6 +5,10 @@ Run: python examples/layout_demo.py
 
 from __future__ import annotations
 
+# jaxdp first: on a machine without a GPU it quiets the CUDA plugin (jaxdp/_platform.py).
+import jaxdp  # noqa: F401
+
+# isort: split
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -38,14 +38,16 @@ if "jax" not in sys.modules:  # must happen before jax starts its backend
     flag = f"--xla_force_host_platform_device_count={ARGS.devices}"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
+# jaxdp first: on a machine without a GPU it quiets the CUDA plugin (jaxdp/_platform.py).
+import jaxdp  # noqa: E402
+
+# isort: split
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
-
-import jaxdp  # noqa: E402
 
 DIM, CLASSES = 64, 10
 

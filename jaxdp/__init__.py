@@ -3,7 +3,12 @@
 Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard_map``.
 """
 
+from ._platform import prepare_jax as _prepare_jax
+
+_prepare_jax()  # before anything imports jax: no CUDA noise on machines without a GPU
+
 from . import aot as aot
+from . import nn as nn
 from ._batching import microbatches as microbatches
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
@@ -54,6 +59,7 @@ __all__ = [
     "dp_size",
     "make_mesh",
     "microbatches",
+    "nn",
     "pad_bucket_end",
     "pad_param_start",
     "pad_to_divisor",

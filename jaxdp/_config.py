@@ -95,6 +95,15 @@ class DDPConfig:
         reduce_scatter_with_fp32_accumulation: Megatron's variant: gradients travel in their own
             (e.g. bf16) dtype with an ``all_to_all`` and each rank sums its shard in fp32, then
             casts once. Needs a distributed optimizer (``zero_stage >= 1``).
+        deterministic_reduction: Sum every gradient bucket and every metric in a fixed rank
+            order (an ``all_to_all`` plus an ordered local sum in fp32 for gradients, an
+            all-gather plus an ordered sum for scalars), so results are bit-identical however
+            the devices are split into processes and whatever algorithm the collective library
+            picks. Gradients are then summed in fp32 whatever the wire dtype (as with
+            ``reduce_scatter_with_fp32_accumulation``); at ``zero_stage=0`` each bucket becomes
+            an ``all_to_all`` plus an ``all_gather`` (the bytes of a ring all-reduce). Costs
+            speed where the collective library's fused reduce-scatter is faster than an
+            ``all_to_all`` (NCCL on GPU); see BENCHMARKS.md.
         pad_buckets_for_high_nccl_busbw: Pad bucket ends to ``lcm(dp, 128, 2**16)`` elements
             instead of ``lcm(dp, 128)`` (distributed optimizer only).
         check_for_nan_in_grad: Check each bucket's local gradients for NaN/Inf before the
@@ -116,6 +125,10 @@ class DDPConfig:
             is split into ``dp`` equal pieces and rank ``r`` owns piece ``r`` of every parameter,
             so optimizer state keeps the params' tree structure) or ``"megatron"`` (contiguous
             buckets cut into ``dp`` contiguous shards, Megatron's exact padding rules).
+        gradient_accumulation_fusion: Compute the weight gradients of :mod:`jaxdp.nn` layers as
+            ``dot(x, dy, preferred_element_type=float32)`` from low-precision operands, added
+            into the fp32 accumulator without a bf16 rounding (Megatron's
+            ``wgrad_gemm_accum_fp32``). Other layers are unaffected.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -131,6 +144,7 @@ class DDPConfig:
     average_in_collective: bool = False
     grad_reduce_in_fp32: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
+    deterministic_reduction: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
     check_for_nan_in_grad: bool = False
     clip_grad: float | None = None
@@ -141,6 +155,7 @@ class DDPConfig:
     data_axis: str = "data"
     own_bucket_param_patterns: tuple[str, ...] = ()
     bucket_layout: Literal["interleaved", "megatron"] = "interleaved"
+    gradient_accumulation_fusion: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -184,9 +199,11 @@ class DDPConfig:
             "average_in_collective",
             "grad_reduce_in_fp32",
             "reduce_scatter_with_fp32_accumulation",
+            "deterministic_reduction",
             "pad_buckets_for_high_nccl_busbw",
             "check_for_nan_in_grad",
             "calculate_per_token_loss",
+            "gradient_accumulation_fusion",
         ):
             _check_bool(name, getattr(self, name))
             object.__setattr__(self, name, bool(getattr(self, name)))

@@ -32,7 +32,8 @@ from ._layout import BucketLayout
 from ._mesh import auto_mesh, make_mesh
 from ._mesh import dp_size as _dp_size
 from ._optim_check import check_optimizer
-from ._reduce import reduce_buckets
+from ._reduce import finish_deferred, metric_sum, reduce_buckets, reduce_microbatch_buckets
+from .nn._fusion import fused_value_and_grad
 
 __all__ = ["DataParallel", "TrainState"]
 
@@ -373,8 +374,12 @@ class DataParallel:
         wv = jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
         mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
         grad_fn = jax.value_and_grad(self._loss_parts, has_aux=True)
+        if cfg.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
+            mb_ex = jax.tree.map(lambda x: x[0], mbs)
+            wv, grad_fn = fused_value_and_grad(self._loss_parts, wv, mb_ex, has_aux=True)
         acc_dt = jnp.dtype(cfg.main_grads_dtype)
         stage2 = cfg.zero_stage == 2 and g > 1
+        stage2_divisor: list[int] = []
 
         def finite_flags(grads):
             return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
@@ -384,7 +389,8 @@ class DataParallel:
             (lval, (nt, aux)), grads = grad_fn(wv, mb)
             flat = layout.pack(grads, dtype=acc_dt)
             if stage2:
-                red = reduce_buckets(flat, layout, cfg, num_microbatches=g)
+                red, divisor = reduce_microbatch_buckets(flat, layout, cfg, num_microbatches=g)
+                stage2_divisor.append(divisor)  # a static int, the same at every trace
                 acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
             else:
                 acc = tuple(a + f for a, f in zip(acc, flat, strict=True))
@@ -396,6 +402,7 @@ class DataParallel:
 
         if stage2:
             acc0 = tuple(jnp.zeros((b.shard_numel,), acc_dt) for b in layout.buckets)
+
         else:
             acc0 = tuple(jnp.zeros((b.numel,), acc_dt) for b in layout.buckets)
         mb0 = jax.tree.map(lambda x: x[0], mbs)
@@ -414,22 +421,25 @@ class DataParallel:
         last = jax.tree.map(lambda x: x[-1], mbs)
         (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
 
-        red = acc if stage2 else reduce_buckets(acc, layout, cfg, num_microbatches=g)
+        if stage2:  # one correctly rounded division of the accumulated sums
+            red = finish_deferred(acc, stage2_divisor[-1])
+        else:
+            red = reduce_buckets(acc, layout, cfg, num_microbatches=g)
         red = tuple(r.astype(jnp.float32) for r in red)
         metrics: dict[str, Any] = {}
         if cfg.calculate_per_token_loss:
-            tokens = jax.lax.psum(ntok, axis)
+            tokens = metric_sum(ntok, cfg)
             inv = 1.0 / jnp.maximum(tokens, 1.0)
             red = tuple(r * inv for r in red)
-            metrics["loss"] = jax.lax.psum(loss, axis) * inv
+            metrics["loss"] = metric_sum(loss, cfg) * inv
             metrics["num_tokens"] = tokens
         else:
-            metrics["loss"] = jax.lax.pmean(loss / g, axis)
+            metrics["loss"] = metric_sum(loss / g, cfg) / self.dp
         if aux_sum is not None and jax.tree.leaves(aux_sum):
-            metrics["aux"] = jax.tree.map(lambda a: jax.lax.pmean(a / g, axis), aux_sum)
-        sq = sum(jnp.sum(jnp.square(r)) for r in red)
+            metrics["aux"] = jax.tree.map(lambda a: metric_sum(a / g, cfg) / self.dp, aux_sum)
+        sq = jnp.sum(jnp.stack([jnp.sum(jnp.square(r)) for r in red]))
         if self._sharded:
-            sq = jax.lax.psum(sq, axis)
+            sq = metric_sum(sq, cfg)
         metrics["grad_norm"] = jnp.sqrt(sq)
         if cfg.check_for_nan_in_grad:
             metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)

@@ -21,9 +21,14 @@ from ._config import DDPConfig
 from ._layout import Bucket, BucketLayout
 
 __all__ = [
+    "metric_sum",
+    "ordered_reduce_scatter",
+    "ordered_sum",
     "reduce_buckets",
     "reduce_gradients",
     "all_to_all_fp32_reduce_scatter",
+    "finish_deferred",
+    "reduce_microbatch_buckets",
     "ring_reduce_scatter",
 ]
 
@@ -62,37 +67,184 @@ def ring_reduce_scatter(x: jax.Array, axis_name: str, dp: int) -> jax.Array:
     return partial
 
 
-def _reduce_one(x: jax.Array, b: Bucket, layout: BucketLayout, config: DDPConfig, scale: float):
-    axis, dp = config.data_axis, layout.dp_size
-    wire = jnp.dtype(b.grad_dtype)
-    # Scale in the accumulator's precision, then round once to the wire dtype.
-    if scale != 1.0:
-        x = x * jnp.asarray(scale, x.dtype)
-    x = x.astype(wire)
-    avg = config.average_in_collective and not config.calculate_per_token_loss
-    if layout.kind == "contiguous":
-        return jax.lax.pmean(x, axis) if avg else jax.lax.psum(x, axis)
-    if config.reduce_scatter_with_fp32_accumulation:
-        return all_to_all_fp32_reduce_scatter(x, axis, dp)
-    out = jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
-    if avg:
-        out = out / jnp.asarray(dp, out.dtype)
-    return out
+def _float_for_sum(wire: Any) -> Any:
+    """The dtype a sum over ranks is carried in: fp32, or the wire dtype when it is wider."""
+    wire = jnp.dtype(wire)
+    return wire if wire.itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
-def bucket_scale(config: DDPConfig, dp: int, num_microbatches: int = 1) -> float:
-    """The factor applied to each bucket before its collective.
+def ordered_reduce_scatter(x: jax.Array, axis_name: str, dp: int, sum_dtype: Any) -> jax.Array:
+    """Reduce-scatter a 1-D ``x`` through one ``all_to_all`` and a local sum in rank order.
 
-    Gradients are summed over micro-batches, so ``1/G`` always applies; ``1/dp`` applies unless
-    the collective averages (``average_in_collective``) or the loss is per-token (normalised by
-    the global token count after the reduction instead).
+    Rank ``r`` receives chunk ``r`` of every rank's ``x`` (wire dtype: ``x.dtype``) and adds the
+    ``dp`` chunks in ``sum_dtype``, always in rank order within one identical per-device program,
+    so the result does not depend on how the devices are split into processes or on the
+    collective library's algorithm. Returns the sum in ``sum_dtype`` (no cast back). Must run
+    inside ``shard_map`` over ``axis_name``; ``x.shape[0]`` must be a multiple of ``dp``.
     """
-    if config.calculate_per_token_loss:
-        return 1.0
-    scale = 1.0 / num_microbatches
-    if not config.average_in_collective:
-        scale /= dp
-    return scale
+    if dp == 1:
+        return x.astype(sum_dtype)
+    rows = x.reshape(dp, x.shape[0] // dp)
+    recv = jax.lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
+    return jnp.sum(recv.astype(sum_dtype), axis=0)
+
+
+def _all_gather_invariant(x: jax.Array, axis_name: str, *, tiled: bool) -> jax.Array:
+    """``all_gather`` whose result is typed as the same on every rank (``shard_map`` with
+    ``check_vma``), so it can leave ``shard_map`` under ``P()``. Under ``vmap`` / ``pmap`` (no
+    varying-ness types) it is a plain ``all_gather``."""
+    try:
+        return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+    except ValueError:  # not under shard_map: there are no manual-axis types to set
+        return jax.lax.all_gather(x, axis_name, tiled=tiled)
+
+
+def ordered_sum(x: jax.Array, axis_name: str) -> jax.Array:
+    """``psum`` of a (small) array whose summation order is fixed: all-gather, then add in rank
+    order. Used for metrics under ``deterministic_reduction``. Inside ``shard_map`` only."""
+    return jnp.sum(_all_gather_invariant(x, axis_name, tiled=False), axis=0)
+
+
+def metric_sum(x: jax.Array, config: DDPConfig) -> jax.Array:
+    """Sum a per-rank metric over ``config.data_axis`` (ordered under
+    ``config.deterministic_reduction``, else a ``psum``)."""
+    if config.deterministic_reduction:
+        return ordered_sum(x, config.data_axis)
+    return jax.lax.psum(x, config.data_axis)
+
+
+def _scaled(x: jax.Array, factor: float, dtype: Any) -> jax.Array:
+    """``x * factor`` computed in ``dtype`` (x is cast first, so no low-precision arithmetic)."""
+    x = x.astype(dtype)
+    return x if factor == 1.0 else x * jnp.asarray(factor, dtype)
+
+
+def _divided(x: jax.Array, divisor: int, dtype: Any) -> jax.Array:
+    """``x / divisor`` correctly rounded in ``dtype`` (a division, not a rounded reciprocal).
+
+    XLA's algebraic simplifier rewrites a division by a broadcast scalar into a multiplication
+    by its rounded reciprocal (``x / 15`` becomes ``x * 0.0666666701``), which is off by one
+    ulp on some elements and turns exact bf16 ties the wrong way. Building the divisor
+    elementwise from ``x`` (``x * 0 + d``, fused, never materialised) hides the broadcast, so a
+    true IEEE division is emitted; a non-finite ``x`` stays non-finite (``inf`` becomes
+    ``nan``). Divisions by powers of two are exact multiplications and keep the fast path.
+    """
+    x = x.astype(dtype)
+    if divisor == 1:
+        return x
+    if divisor & (divisor - 1) == 0:  # a power of two: the reciprocal is exact
+        return x * jnp.asarray(1.0 / divisor, dtype)
+    return x / (x * jnp.asarray(0, dtype) + jnp.asarray(divisor, dtype))
+
+
+def _reduce_one(
+    x: jax.Array,
+    b: Bucket,
+    layout: BucketLayout,
+    config: DDPConfig,
+    num_microbatches: int,
+    deferred: bool = False,
+) -> tuple[jax.Array, int]:
+    """One bucket's collective. Every scaling is done in fp32 (or wider) before any rounding.
+
+    Returns ``(reduced, divisor)``. With ``deferred=False`` the result is final (``divisor`` is
+    1). With ``deferred=True`` (stage 2: ``x`` is one micro-batch's gradient and the caller adds
+    the results of all ``G`` micro-batches), fp32 paths return the unscaled sum in fp32 and the
+    divisor the caller applies once to the accumulated sum (:func:`finish_deferred`), so the
+    micro-batch sum is never rounded to a scaled value before it is complete.
+    """
+    axis, dp, g = config.data_axis, layout.dp_size, num_microbatches
+    wire = jnp.dtype(b.grad_dtype)
+    acc = _float_for_sum(wire)
+    scatter = layout.kind != "contiguous"
+    # Per-token loss: the engine divides by the global token count after the reduction.
+    per_token = config.calculate_per_token_loss
+    g_div = 1 if per_token else g
+    dp_div = 1 if per_token else dp
+
+    if config.reduce_scatter_with_fp32_accumulation or config.deterministic_reduction:
+        # all_to_all on the wire, then a local sum in fp32. The 1/G of micro-batch accumulation
+        # is applied before the cast (the value on the wire has the magnitude of one gradient;
+        # with G = 1, or per micro-batch at stage 2, nothing is scaled, so bf16 gradients
+        # travel exactly). The 1/dp is applied after the fp32 sum, so it is never rounded to
+        # the wire dtype (Megatron pre-scales by 1/dp in bf16, inexact unless dp = 2**k).
+        n = x.shape[0]
+        pad = (-n) % dp  # contiguous (stage-0) buckets need not divide by dp
+        sent = _divided(x, 1 if deferred else g_div, acc).astype(wire)
+        if pad:
+            sent = jnp.pad(sent, (0, pad))
+        total = ordered_reduce_scatter(sent, axis, dp, acc)
+        if deferred and scatter:
+            return total, g_div * dp_div
+        out = _divided(total, dp_div, acc)
+        if scatter:
+            return out.astype(wire), 1
+        full = _all_gather_invariant(out.astype(wire), axis, tiled=True)
+        return (full[:n] if pad else full), 1
+
+    if wire.itemsize >= 4:
+        # An fp32 (or wider) wire: cast first (exact for bf16 gradients), sum unscaled, then
+        # divide once by G * dp. No rounding of the gradients happens before the sum.
+        x = x.astype(wire)
+        out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
+        if deferred and scatter:
+            return out, g_div * dp_div
+        return _divided(out, g_div * dp_div, wire), 1
+
+    # A low-precision wire without fp32 accumulation (NCCL's bf16 ring): pre-scale in fp32 and
+    # round once to the wire dtype; the collective itself sums in the wire dtype.
+    avg = config.average_in_collective and not per_token
+    pre = g_div if avg else g_div * dp_div
+    x = _divided(x, pre, acc).astype(wire)
+    out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
+    if avg:
+        out = _divided(out, dp, acc).astype(wire)
+    return out, 1
+
+
+def reduce_microbatch_buckets(
+    buckets: Sequence[jax.Array],
+    layout: BucketLayout,
+    config: DDPConfig,
+    *,
+    num_microbatches: int,
+) -> tuple[tuple[jax.Array, ...], int]:
+    """Reduce-scatter one micro-batch's buckets for a sharded accumulator (ZeRO stage 2).
+
+    Returns ``(shards, divisor)``: add the shards of all ``num_microbatches`` micro-batches in
+    fp32, then call :func:`finish_deferred` with ``divisor`` once. In the fp32 modes the shards
+    are unscaled fp32 sums (the mean is formed by one correctly rounded division at the end);
+    with a low-precision wire they are already scaled and ``divisor`` is 1.
+    """
+    _check_count(buckets, layout, "reduce_microbatch_buckets")
+    outs = [
+        _reduce_one(x, b, layout, config, num_microbatches, deferred=True)
+        for x, b in zip(buckets, layout.buckets, strict=True)
+    ]
+    divisors = {d for _, d in outs}
+    divisor = max(divisors)
+    # Buckets of one layout share the mode, but a low-precision buffer next to an fp32 one
+    # (mixed param dtypes) returns 1 there: bring every bucket to the same convention.
+    shards = tuple(o if d == divisor else o.astype(jnp.float32) * divisor for o, d in outs)
+    return shards, divisor
+
+
+def finish_deferred(acc: Sequence[jax.Array], divisor: int) -> tuple[jax.Array, ...]:
+    """Divide accumulated :func:`reduce_microbatch_buckets` shards by ``divisor`` (correctly
+    rounded), in their own dtype."""
+    return tuple(_divided(a, divisor, a.dtype) for a in acc)
+
+
+def _check_count(buckets: Sequence[jax.Array], layout: BucketLayout, who: str) -> None:
+    if len(buckets) != len(layout.buckets):
+        raise ValueError(
+            f"{who}: got {len(buckets)} buckets; the layout has "
+            f"{len(layout.buckets)}. Fix: pass layout.pack(grads)."
+        )
+
+
+def _psum_scatter(x: jax.Array, axis: str) -> jax.Array:
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
 
 
 def reduce_buckets(
@@ -108,14 +260,9 @@ def reduce_buckets(
     otherwise, in each bucket's ``grad_dtype``. ``num_microbatches`` folds the ``1/G`` of
     gradient accumulation into the pre-scaling. Call inside ``shard_map``.
     """
-    if len(buckets) != len(layout.buckets):
-        raise ValueError(
-            f"reduce_buckets: got {len(buckets)} buckets; the layout has "
-            f"{len(layout.buckets)}. Fix: pass layout.pack(grads)."
-        )
-    scale = bucket_scale(config, layout.dp_size, num_microbatches)
+    _check_count(buckets, layout, "reduce_buckets")
     return tuple(
-        _reduce_one(x, b, layout, config, scale)
+        _reduce_one(x, b, layout, config, num_microbatches)[0]
         for x, b in zip(buckets, layout.buckets, strict=True)
     )
 
@@ -148,7 +295,13 @@ def reduce_gradients(grads: Any, layout: BucketLayout, config: DDPConfig) -> Any
             "expected a config without it. Fix: use DataParallel, or reduce_buckets and divide "
             "by psum(num_tokens) yourself."
         )
-    flat = layout.pack(grads, dtype=None)
+    # Pack in a dtype that holds every gradient and every wire dtype exactly (bf16 gradients
+    # with an fp32 wire pack as fp32): no rounding before the collective's own cast.
+    pack_dtype = jnp.result_type(
+        *(jnp.dtype(x.dtype) for x in jax.tree.leaves(grads)),
+        *(jnp.dtype(b.grad_dtype) for b in layout.buckets),
+    )
+    flat = layout.pack(grads, dtype=pack_dtype)
     reduced = reduce_buckets(flat, layout, config)
     if layout.kind == "contiguous":
         out = layout.unpack(reduced)

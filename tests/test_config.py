@@ -30,6 +30,7 @@ BAD_VALUES = [
     ("num_microbatches", 0, ValueError, "an int >= 1"),
     ("num_microbatches", 2.0, TypeError, "a positive int"),
     ("calculate_per_token_loss", "true", TypeError, "a bool"),
+    ("deterministic_reduction", 1, TypeError, "a bool"),
     ("param_dtype", "int32", ValueError, "a floating dtype name"),
     ("param_dtype", "floaty", TypeError, "a floating dtype name"),
     ("main_grads_dtype", None, TypeError, "a floating dtype name"),
@@ -39,6 +40,7 @@ BAD_VALUES = [
     ("own_bucket_param_patterns", "*embed*", TypeError, "wrap a single pattern in a tuple"),
     ("own_bucket_param_patterns", ("ok", 3), TypeError, "non-empty pattern strings only"),
     ("bucket_layout", "ring", ValueError, "one of ('interleaved', 'megatron')"),
+    ("gradient_accumulation_fusion", "yes", TypeError, "a bool"),
 ]
 
 

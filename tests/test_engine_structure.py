@@ -148,3 +148,44 @@ def test_accumulator_dtype_survives_the_scan(dtype, short):
     for b in dp.layout.buckets:
         # The flat bucket accumulators are carried through the scan in main_grads_dtype.
         assert (str(b.numel), short) in carried, (b.numel, carried)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_deterministic_reduction_has_no_order_dependent_collective(stage):
+    """deterministic_reduction: every bucket is one all_to_all (plus one all_gather at stage 0)
+    and every metric an all_gather; no all-reduce or reduce-scatter, whose summation order
+    belongs to the collective library, is left."""
+    params = scanned_params(2)
+    cfg = DDPConfig(
+        zero_stage=stage,
+        num_microbatches=2,
+        bucket_size=150,
+        clip_grad=1.0,
+        deterministic_reduction=True,
+    )
+    dp = DataParallel(scanned_loss, optax.adamw(1e-3), cfg)
+    state = dp.init(params)
+    n = len(dp.layout.buckets)
+    counts = lowered_counts(dp, state, make_batch(64))
+    a2a = 2 * n if stage == 2 else n  # stage 2: scan body + peeled micro-batch
+    metrics = 1 if stage == 0 else 2  # loss (+ the squared-norm sum of the shards)
+    gathers = n + metrics  # stage 0: rebuild each bucket; stages >= 1: the params
+    assert counts == dict.fromkeys(OPS, 0) | {"all_to_all": a2a, "all_gather": gathers}
+
+
+def test_deterministic_reduction_matches_the_default_numerically():
+    params = scanned_params(2)
+    batch = make_batch(64)
+    out = []
+    for det in (False, True):
+        cfg = DDPConfig(
+            zero_stage=1, num_microbatches=2, bucket_size=150, deterministic_reduction=det
+        )
+        dp = DataParallel(scanned_loss, optax.adamw(1e-2), cfg)
+        state = dp.init(params)
+        for _ in range(3):
+            state, metrics = dp.step(state, dp.shard_batch(batch))
+        out.append((dp.params(state), float(metrics["loss"])))
+    for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert abs(out[0][1] - out[1][1]) <= 1e-6 * abs(out[0][1])

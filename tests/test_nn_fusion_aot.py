@@ -1,0 +1,136 @@
+"""What XLA emits for the fused weight-gradient GEMM, compiled for 8 compile-only H100s.
+
+Skips without the ``gpu-aot`` extra. For a two-layer ``jaxdp.nn.Dense`` model with bf16 working
+params and G = 4 micro-batches, every weight-gradient GEMM (the ``transpose(jvp(...))`` dot of
+a kernel's shape) must read bf16 operands and write f32, and every instruction that consumes it
+must be free of bf16 (the sum into the fp32 accumulator happens in one f32 fusion, no round
+trip). The unfused program is checked as the contrast: its GEMM writes bf16 and the consumer
+converts it back to f32.
+"""
+
+import importlib.util
+import re
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from jaxdp import DataParallel, DDPConfig, nn
+from jaxdp.aot import compile_step, h100_mesh
+
+HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+W, G = 256, 4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if not HAVE_PLUGIN:
+        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
+    try:
+        return h100_mesh(8)
+    except RuntimeError as e:
+        pytest.skip(f"no compile-only H100 topology: {e}")
+
+
+class MLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = jnp.tanh(nn.Dense(W, use_bias=False, dtype=jnp.bfloat16, name=f"l{i}")(x))
+        return x
+
+
+def compiled_text(mesh, stage, fuse):
+    model = MLP()
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((1, W)))["params"])
+
+    def loss_fn(p, b):
+        return jnp.mean(model.apply({"params": p}, b["x"]).astype(jnp.float32) ** 2)
+
+    batch = {"x": jax.ShapeDtypeStruct((8 * G * 64, W), jnp.bfloat16)}
+    cfg = DDPConfig(
+        zero_stage=stage,
+        num_microbatches=G,
+        param_dtype="bfloat16",
+        grad_reduce_in_fp32=True,
+        gradient_accumulation_fusion=fuse,
+    )
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
+    return compile_step(dp, params, batch).as_text()
+
+
+_HEADER = re.compile(r"^%(\S+) \((.*)\) -> (\S+) \{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? (\S+?)\((.*?)\)")
+
+
+def computations(text):
+    comps, name, body = {}, None, []
+    for line in text.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            name, body = m.group(1), []
+            comps[name] = (m.group(2), m.group(3), body)
+        elif name and line.startswith("}"):
+            name = None
+        elif name:
+            body.append(line)
+    return comps
+
+
+def wgrad_gemms(text):
+    """(instruction line, called computation) of every weight-gradient GEMM fusion."""
+    comps = computations(text)
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"%(\S+) = \S+ fusion\(.*calls=%([^,\s]+)", line)
+        if not m or m.group(2) not in comps:
+            continue
+        params, result, body = comps[m.group(2)]
+        root = next((b for b in body if "ROOT" in b), "")
+        if " dot(" in root and "transpose(jvp(" in root and f"[{W},{W}]" in result:
+            out.append((m.group(1), params, result, line))
+    return out
+
+
+def consumers(text, name):
+    comps = computations(text)
+    found = []
+    for line in text.splitlines():
+        line = re.sub(r"/\*index=\d+\*/", "", line)  # operand lists carry /*index=N*/
+        if re.search(rf"[(,] ?%{re.escape(name)}[,)]", line) and not line.lstrip().startswith(
+            "ROOT %tuple"
+        ):
+            m = re.search(r"calls=%([^,\s]+)", line)
+            called = "\n".join(comps[m.group(1)][2]) if m and m.group(1) in comps else ""
+            found.append(line.split(" metadata=")[0] + "\n" + called)
+    return found
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fused_wgrad_gemm_writes_f32_into_accumulator(mesh, stage):
+    text = compiled_text(mesh, stage, fuse=True)
+    gemms = wgrad_gemms(text)
+    # two layers, in the scanned micro-batches and in the peeled last one
+    assert len(gemms) == 4, [g[3][:120] for g in gemms]
+    for name, params, result, _ in gemms:
+        assert result.startswith("f32["), result
+        assert params.count("bf16[") == 2, params  # both operands bf16
+        uses = consumers(text, name)
+        assert uses
+        for use in uses:
+            assert "bf16" not in use, use  # no bf16 round trip on the way to the accumulator
+            assert "f32[" in use
+
+
+def test_unfused_wgrad_gemm_rounds_to_bf16(mesh):
+    text = compiled_text(mesh, 0, fuse=False)
+    comps = computations(text)
+    wgrads = [
+        (n, c)
+        for n, c in comps.items()
+        if c[1].startswith(f"bf16[{W},{W}]") and "transpose(jvp(" in "\n".join(c[2])
+    ]
+    assert wgrads  # the GEMM's result is bf16
+    assert any("convert(" in "\n".join(c[2]) and "add(" in "\n".join(c[2]) for c in comps.values())
