@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 __all__ = ["main"]
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = env.get("XLA_FLAGS", "").split()
     flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={per}"])
-    procs, files = [], []
+    procs: list[subprocess.Popen[bytes]] = []
+    files: list[Any] = []
     for i in range(args.nproc):
         cmd = [
             sys.executable, "-m", "jaxdp.train", *train_args,
