@@ -168,5 +168,3 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def console_main() -> None:
-    sys.exit(main())
