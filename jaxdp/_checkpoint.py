@@ -174,6 +174,18 @@ class CheckpointManager:
             ],
         }
 
+    def _canonical_shardings(self, abstract: Any) -> Any:
+        """Split each canonical array's first axis over the data axis where it divides evenly
+        (each process then writes and reads only its part); replicate the rest."""
+        mesh, axis, dp = self.engine.mesh, self.engine.config.data_axis, self.engine.dp
+
+        def spec(x: Any) -> NamedSharding:
+            if x.ndim >= 1 and x.shape[0] % dp == 0:
+                return NamedSharding(mesh, P(axis))
+            return NamedSharding(mesh, P())
+
+        return jax.tree.map(spec, abstract)
+
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: TrainState) -> None:
         """Start saving ``state`` as checkpoint ``step`` (asynchronous; see
@@ -184,8 +196,10 @@ class CheckpointManager:
                 "jaxdp.TrainState returned by engine.init / engine.step."
             )
         if self._to_canonical is None:
-            rep = NamedSharding(self.engine.mesh, P())
-            self._to_canonical = jax.jit(self._canonical_fn, out_shardings=rep)
+            abstract = jax.eval_shape(self._canonical_fn, state)
+            self._to_canonical = jax.jit(
+                self._canonical_fn, out_shardings=self._canonical_shardings(abstract)
+            )
         canonical = self._to_canonical(state)
         opt_paths = _leaf_paths(_canonical_opt_abstract(self.engine))
         meta = self._meta(canonical, opt_paths)
@@ -224,9 +238,10 @@ class CheckpointManager:
         ]
         where = os.path.join(self.directory, str(step))
         target = self._target(meta, where)
-        rep = NamedSharding(self.engine.mesh, P())
         abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), target
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+            target,
+            self._canonical_shardings(target),
         )
         loaded = self._mngr.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))

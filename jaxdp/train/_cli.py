@@ -166,5 +166,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer.run()
     return 0
-
-
