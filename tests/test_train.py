@@ -93,6 +93,9 @@ def test_bad_config_inputs(tmp_path, tiny, capsys):
     assert "zero_stage" in err
     assert "no_such_field" in _error(capsys, ["--out", out, "--set", "no_such_field=1"])
     assert "key=value" in _error(capsys, ["--out", out, "--set", "zero_stage"])
+    assert "only 8 cpu devices" in _error(
+        capsys, ["--config", tiny, "--out", out, "--devices", "99"]
+    )
     assert "no such file" in _error(capsys, ["--config", str(tmp_path / "x.yaml"), "--out", out])
     err = _error(capsys, ["--config", tiny, "--out", out, "--global-batch", "20"])
     assert "global_batch=20" in err and "micro_batch x dp = 1 x 8" in err
