@@ -87,8 +87,8 @@ class CheckpointManager:
         >>> ckpt = CheckpointManager(tempfile.mkdtemp(), dp)
         >>> ckpt.save(0, state)
         >>> ckpt.wait_until_finished()
-        >>> ckpt.latest_step(), ckpt.restore().master["w"].shape
-        (0, (16,))
+        >>> ckpt.latest_step(), dp.params(ckpt.restore())["w"].shape
+        (0, (4, 3))
         >>> ckpt.close()
     """
 
