@@ -69,11 +69,9 @@ class TrainOptions:
     sample_bytes: int = 200
 
 
-#: DDP settings of the main job unless the config says otherwise.
-DDP_DEFAULTS: dict[str, Any] = {"zero_stage": 1, "clip_grad": 1.0}
-if "deterministic_reduction" in {f.name for f in dataclasses.fields(DDPConfig)}:
-    # Losses that do not depend on how devices are split into processes (see README).
-    DDP_DEFAULTS["deterministic_reduction"] = True
+#: DDP settings of the main job unless the config says otherwise. ``deterministic_reduction``
+#: makes the losses independent of how devices are split into processes (see the README).
+DDP_DEFAULTS: dict[str, Any] = {"zero_stage": 1, "clip_grad": 1.0, "deterministic_reduction": True}
 
 
 @dataclasses.dataclass(frozen=True)
