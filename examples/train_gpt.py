@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     ddp = jaxdp.DDPConfig(
         zero_stage=1, clip_grad=1.0, num_microbatches=jaxdp.microbatches(global_batch, micro, dp)
     )
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, args.steps, 3e-4)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, max(args.steps, 11), 3e-4)
     optimizer = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
     engine = jaxdp.DataParallel(lambda p, b: next_byte_loss(model, p, b), optimizer, ddp)
     state = engine.init(params)
