@@ -13,10 +13,14 @@ One step, all in one XLA program:
 2. Global-norm clipping (fp32 norm over all shards) and the optax update, on sharded arrays
    (stages >= 1: rank ``r`` updates its shard of the fp32 master weights and optimizer state).
 3. Stages >= 1: one all-gather per bucket rebuilds the working params in ``param_dtype``.
+
+This module is the facade: state, shardings, batch checks and the jitted step. The per-device
+half (1.) is :mod:`jaxdp._local`, the global half (2., 3.) :mod:`jaxdp._update`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,11 +33,11 @@ from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
 from ._layout import BucketLayout
+from ._local import local_gradients
 from ._mesh import auto_mesh, make_mesh
 from ._mesh import dp_size as _dp_size
 from ._optim_check import check_optimizer
-from ._reduce import finish_deferred, metric_sum, reduce_buckets, reduce_microbatch_buckets
-from .nn._fusion import fused_value_and_grad
+from ._update import gather_params, optimizer_update
 
 __all__ = ["DataParallel", "TrainState"]
 
@@ -345,138 +349,23 @@ class DataParallel:
             self._step = _Step(self, jitted)
         return self._step
 
-    def _loss_parts(self, params: Any, mb: Any) -> tuple[jax.Array, tuple[Any, Any]]:
-        out = self.loss_fn(params, mb)
-        if self.config.calculate_per_token_loss:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise ValueError(
-                    "DataParallel: with calculate_per_token_loss=True, loss_fn must return "
-                    f"(loss_sum, num_tokens); got {type(out).__name__}."
-                )
-            loss_sum, ntok = out
-            return loss_sum, (jnp.asarray(ntok, jnp.float32), None)
-        if isinstance(out, tuple):
-            if len(out) != 2:
-                raise ValueError(
-                    "DataParallel: loss_fn must return loss or (loss, aux); got a tuple of "
-                    f"{len(out)}."
-                )
-            loss, aux = out
-            return loss, (jnp.zeros((), jnp.float32), aux)
-        return out, (jnp.zeros((), jnp.float32), None)
-
-    def _local(self, params: Any, batch: Any):
-        """Per-device body of the step (inside shard_map)."""
-        cfg, layout = self.config, self.layout
-        axis, g = cfg.data_axis, cfg.num_microbatches
-        # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
-        # then yields per-device partial gradients and inserts no psum per use.
-        wv = jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
-        mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
-        grad_fn = jax.value_and_grad(self._loss_parts, has_aux=True)
-        if cfg.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
-            mb_ex = jax.tree.map(lambda x: x[0], mbs)
-            wv, grad_fn = fused_value_and_grad(self._loss_parts, wv, mb_ex, has_aux=True)
-        acc_dt = jnp.dtype(cfg.main_grads_dtype)
-        stage2 = cfg.zero_stage == 2 and g > 1
-        stage2_divisor: list[int] = []
-
-        def finite_flags(grads):
-            return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
-
-        def micro(carry, mb):
-            acc, loss, ntok, ok, aux_sum = carry
-            (lval, (nt, aux)), grads = grad_fn(wv, mb)
-            flat = layout.pack(grads, dtype=acc_dt)
-            if stage2:
-                red, divisor = reduce_microbatch_buckets(flat, layout, cfg, num_microbatches=g)
-                stage2_divisor.append(divisor)  # a static int, the same at every trace
-                acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
-            else:
-                acc = tuple(a + f for a, f in zip(acc, flat, strict=True))
-            if cfg.check_for_nan_in_grad:
-                ok = ok & finite_flags(grads)
-            if aux is not None:
-                aux_sum = jax.tree.map(lambda s, a: s + jnp.asarray(a, jnp.float32), aux_sum, aux)
-            return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum), None
-
-        if stage2:
-            acc0 = tuple(jnp.zeros((b.shard_numel,), acc_dt) for b in layout.buckets)
-
-        else:
-            acc0 = tuple(jnp.zeros((b.numel,), acc_dt) for b in layout.buckets)
-        mb0 = jax.tree.map(lambda x: x[0], mbs)
-        aux_shape = jax.eval_shape(lambda: self._loss_parts(wv, mb0)[1][1])  # forward only
-        aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
-        ok0 = jnp.ones((len(layout.slots),), bool)
-        zero = jnp.zeros((), jnp.float32)
-        carry = (acc0, zero, zero, ok0, aux0)
-        # The scan carry must be varying like the per-device gradients it accumulates.
-        carry = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), carry)
-        if g > 1:
-            head = jax.tree.map(lambda x: x[:-1], mbs)
-            carry, _ = jax.lax.scan(micro, carry, head)
-        # The last micro-batch is peeled out of the scan: its backward and the bucket
-        # collectives below are one straight-line region that XLA can overlap.
-        last = jax.tree.map(lambda x: x[-1], mbs)
-        (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
-
-        if stage2:  # one correctly rounded division of the accumulated sums
-            red = finish_deferred(acc, stage2_divisor[-1])
-        else:
-            red = reduce_buckets(acc, layout, cfg, num_microbatches=g)
-        red = tuple(r.astype(jnp.float32) for r in red)
-        metrics: dict[str, Any] = {}
-        if cfg.calculate_per_token_loss:
-            tokens = metric_sum(ntok, cfg)
-            inv = 1.0 / jnp.maximum(tokens, 1.0)
-            red = tuple(r * inv for r in red)
-            metrics["loss"] = metric_sum(loss, cfg) * inv
-            metrics["num_tokens"] = tokens
-        else:
-            metrics["loss"] = metric_sum(loss / g, cfg) / self.dp
-        if aux_sum is not None and jax.tree.leaves(aux_sum):
-            metrics["aux"] = jax.tree.map(lambda a: metric_sum(a / g, cfg) / self.dp, aux_sum)
-        sq = jnp.sum(jnp.stack([jnp.sum(jnp.square(r)) for r in red]))
-        if self._sharded:
-            sq = metric_sum(sq, cfg)
-        metrics["grad_norm"] = jnp.sqrt(sq)
-        if cfg.check_for_nan_in_grad:
-            metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)
-        if self._sharded:
-            grads = layout.shard_view(red)
-        else:
-            grads = layout.unpack(red)
-        return grads, metrics
-
-    def _gather(self, view: Any) -> Any:
-        """Per-device: local master shards -> working params (one all-gather per bucket)."""
-        layout, axis = self.layout, self.config.data_axis
-        shards = layout.shard_unview(view)  # cast to each bucket's working dtype
-        full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
-        return layout.unpack(full)
-
     def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         cfg, axis = self.config, self.config.data_axis
-        grad_spec = P(axis) if self._sharded else P()
         local = jax.shard_map(
-            self._local,
+            functools.partial(
+                local_gradients, loss_fn=self.loss_fn, layout=self.layout, config=cfg
+            ),
             mesh=self.mesh,
             in_specs=(P(), P(axis)),
-            out_specs=(grad_spec, P()),
+            out_specs=(P(axis) if self._sharded else P(), P()),
         )
         grads, metrics = local(state.params, batch)
-        norm = metrics["grad_norm"]
         target = state.params if state.master is None else state.master
-        grads = jax.tree.map(lambda gr, t: gr.astype(t.dtype), grads, target)
-        if cfg.clip_grad is not None:
-            coef = jnp.minimum(1.0, cfg.clip_grad / (norm + 1e-6))
-            grads = jax.tree.map(lambda gr: gr * coef.astype(gr.dtype), grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, target)
-        new_target = optax.apply_updates(target, updates)
+        new_target, opt_state = optimizer_update(
+            self.optimizer, grads, metrics["grad_norm"], state.opt_state, target, cfg
+        )
         if self._sharded:
-            gather = jax.shard_map(self._gather, mesh=self.mesh, in_specs=(P(axis),), out_specs=P())
-            params = gather(new_target)
+            params = gather_params(new_target, self.layout, cfg, self.mesh)
             master = new_target
         elif state.master is None:
             params, master = new_target, None

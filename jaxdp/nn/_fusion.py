@@ -4,7 +4,7 @@ The obstacle is JAX's dtype rule for cotangents: a bf16 primal gets a bf16 cotan
 working params every micro-batch's weight gradient is rounded to bf16 before the engine adds it to
 its fp32 accumulator. Megatron's ``wgrad_gemm_accum_fp32`` avoids that rounding by writing the
 weight-gradient GEMM straight into the fp32 ``main_grad``. jaxdp gets the same numerics in three
-steps, all inside the engine's per-device body (``DataParallel._local``):
+steps, all inside the engine's per-device body (:func:`jaxdp._local.local_gradients`):
 
 1. **Discovery.** One abstract forward trace (``jax.eval_shape``) of the loss under a discovery
    scope: every :mod:`jaxdp.nn` layer that can fuse reports its kernel, by module path (flax linen:

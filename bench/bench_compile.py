@@ -1,0 +1,274 @@
+"""Compile time vs number of parameter leaves: jaxdp against plain ``jax.jit`` data parallelism.
+
+Measured as a new user meets it: a fresh engine each time, ``init`` + ``step.lower`` +
+``compile`` for an MLP of ``L`` dense 128x128 layers (``2L`` leaves: kernel and bias), AdamW, on
+8 devices, same process, plain ``jit`` (params replicated, batch sharded ``P("data")``, XLA's
+partitioner inserts the all-reduce) timed around each jaxdp run. Two compilers:
+
+* XLA:CPU, 8 simulated devices (what this machine runs);
+* XLA:GPU for 8 compile-only H100s (``jaxdp.aot``; the program a GPU user compiles), when the
+  ``gpu-aot`` extra is installed.
+
+Times are process CPU seconds (``time.process_time``): compilation is single-threaded, so CPU
+time is robust against other load on the machine, unlike wall time. ``init`` is split into the
+layout, the optimizer probe (``jaxdp._optim_check``) and the rest.
+
+Run: ``python bench/bench_compile.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdp
+
+WIDTH, BATCH = 128, 64
+GOAL = 1.2
+
+
+def _params(layers: int, abstract: bool) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for i in range(layers):
+        if abstract:
+            w: Any = jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)
+            b: Any = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
+        else:
+            w = jnp.asarray(rng.standard_normal((WIDTH, WIDTH)) * 0.05, jnp.float32)
+            b = jnp.zeros((WIDTH,), jnp.float32)
+        out[f"layer_{i:04d}"] = {"kernel": w, "bias": b}
+    return out
+
+
+def _loss_fn(layers: int) -> Callable[[Any, Any], jax.Array]:
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for i in range(layers):
+            p = params[f"layer_{i:04d}"]
+            h = jnp.tanh(h @ p["kernel"] + p["bias"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    return loss_fn
+
+
+def _batch(abstract: bool) -> dict[str, Any]:
+    if abstract:
+        return {k: jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32) for k in ("x", "y")}
+    return {"x": jnp.ones((BATCH, WIDTH)), "y": jnp.zeros((BATCH, WIDTH))}
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = time.process_time()
+
+    def lap(self) -> float:
+        now = time.process_time()
+        out, self.t = now - self.t, now
+        return out
+
+
+def plain_jit(layers: int, mesh: Any, abstract: bool) -> dict[str, float]:
+    """init / lower / compile CPU seconds of the plain-jit data-parallel step."""
+    clock = _Clock()
+    opt = optax.adamw(1e-3)
+    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    loss_fn = _loss_fn(layers)
+    if abstract:
+        params = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), _params(layers, True)
+        )
+        opt_state = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
+            jax.eval_shape(opt.init, params),
+        )
+        batch = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dat), _batch(True)
+        )
+    else:
+        params = jax.device_put(_params(layers, False), rep)
+        opt_state = jax.jit(opt.init)(params)
+        batch = jax.device_put(_batch(False), dat)
+
+    def step(state, batch):
+        p, o = state
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        updates, o = opt.update(g, o, p)
+        return (optax.apply_updates(p, updates), o), loss
+
+    init = clock.lap()
+    lowered = jax.jit(step, donate_argnums=0).lower((params, opt_state), batch)
+    lower = clock.lap()
+    lowered.compile()
+    return {"init": init, "lower": lower, "compile": clock.lap()}
+
+
+class _Timed:
+    """Wrap ``owner.name`` so that the CPU seconds spent inside it are added up."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name, self.seconds = owner, name, 0.0
+        self.orig = getattr(owner, name)
+
+    def __enter__(self) -> _Timed:
+        orig = self.orig
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.process_time()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.seconds += time.process_time() - t
+
+        setattr(self.owner, self.name, timed)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(self.owner, self.name, self.orig)
+
+
+def jaxdp_step(layers: int, mesh: Any, abstract: bool, stage: int) -> dict[str, float]:
+    """layout / optimizer probe / init / lower / compile CPU seconds of a fresh jaxdp engine."""
+    import jaxdp._engine as engine_module
+
+    cfg = jaxdp.DDPConfig(zero_stage=stage)
+    clock = _Clock()
+    params = _params(layers, abstract)
+    with (
+        _Timed(engine_module, "check_optimizer") as probe,
+        _Timed(engine_module.BucketLayout, "from_params") as layout,
+    ):
+        engine = jaxdp.DataParallel(_loss_fn(layers), optax.adamw(1e-3), cfg, mesh=mesh)
+        if abstract:
+            state = jaxdp.aot.abstract_state(engine, params)
+            batch = jaxdp.aot.abstract_batch(engine, _batch(True))
+        else:
+            state = engine.init(params)
+            batch = engine.shard_batch(_batch(False))
+    t_init = clock.lap() - probe.seconds - layout.seconds
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        lowered = engine.step.lower(state, batch)
+    t_lower = clock.lap()
+    compiled = lowered.compile()
+    t_compile = clock.lap()
+    text = compiled.as_text()
+    slice_fusions = sum(
+        1
+        for comp in re.split(r"\n(?=%?\S+ \(.*\) -> )", text)
+        if " slice(" in comp and "fused" in comp.split("\n", 1)[0]
+    )
+    return {
+        "layout": layout.seconds,
+        "probe": probe.seconds,
+        "init": t_init,
+        "lower": t_lower,
+        "compile": t_compile,
+        "slice_fusions": float(slice_fusions),
+    }
+
+
+def _total(r: dict[str, float]) -> float:
+    return sum(v for k, v in r.items() if k != "slice_fusions")
+
+
+def _h100_mesh() -> Any:
+    try:
+        return jaxdp.aot.h100_mesh(8)
+    except Exception as e:  # no gpu-aot extra installed: skip that compiler
+        print(f"compile-only H100 devices unavailable ({type(e).__name__}); skipped")
+        return None
+
+
+def run(layer_counts: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    targets = {"CPU (8 simulated devices)": (jaxdp.make_mesh(), False)}
+    h100 = _h100_mesh()
+    if h100 is not None:
+        targets["H100 x 8 (compile-only)"] = (h100, True)
+    rows = []
+    for target, (mesh, abstract) in targets.items():
+        for layers in layer_counts:
+            plain, stage0, stage1 = [], [], []
+            for _ in range(rounds):
+                plain.append(plain_jit(layers, mesh, abstract))
+                stage0.append(jaxdp_step(layers, mesh, abstract, 0))
+                stage1.append(jaxdp_step(layers, mesh, abstract, 1))
+                plain.append(plain_jit(layers, mesh, abstract))
+
+            def med(runs: list[dict[str, float]], key: str | None = None) -> float:
+                return statistics.median(_total(r) if key is None else r[key] for r in runs)
+
+            row = {
+                "target": target,
+                "leaves": 2 * layers,
+                "plain": med(plain),
+                "plain_compile": med(plain, "compile"),
+            }
+            for name, runs in (("stage0", stage0), ("stage1", stage1)):
+                row[name] = med(runs)
+                for key in ("layout", "probe", "init", "lower", "compile", "slice_fusions"):
+                    row[f"{name}_{key}"] = med(runs, key)
+            rows.append(row)
+            print(
+                f"{target:28s} {2 * layers:5d} leaves: plain {row['plain']:6.2f}s  "
+                f"stage0 {row['stage0']:6.2f}s ({row['stage0'] / row['plain']:.2f}x)  "
+                f"stage1 {row['stage1']:6.2f}s ({row['stage1'] / row['plain']:.2f}x)",
+                flush=True,
+            )
+    return {"rows": rows, "rounds": rounds}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    head = (
+        "| compiler | leaves | plain jit s | jaxdp stage 0 s (ratio) | jaxdp stage 1 s (ratio) "
+        "| stage-1 split: layout / probe / init / lower / XLA compile | slice fusions s0 / s1 "
+        "| goal |\n|---|---:|---:|---:|---:|---|---|---|"
+    )
+    lines = [head]
+    for r in res["rows"]:
+        split = " / ".join(
+            f"{r[f'stage1_{k}']:.2f}" for k in ("layout", "probe", "init", "lower", "compile")
+        )
+        ok = lambda x: "met" if x <= GOAL else "not met"  # noqa: E731
+        lines.append(
+            f"| {r['target']} | {r['leaves']} | {r['plain']:.2f} "
+            f"| {r['stage0']:.2f} ({r['stage0'] / r['plain']:.2f}x) "
+            f"| {r['stage1']:.2f} ({r['stage1'] / r['plain']:.2f}x) | {split} "
+            f"| {r['stage0_slice_fusions']:.0f} / {r['stage1_slice_fusions']:.0f} "
+            f"| <= {GOAL}x: {ok(r['stage0'] / r['plain'])} / {ok(r['stage1'] / r['plain'])} |"
+        )
+    lines.append(
+        f"\nProcess CPU seconds, median of {res['rounds']} fresh engine(s) (plain jit: median of "
+        f"{2 * res['rounds']} runs timed around them). Plain jit's XLA compile is in its total."
+    )
+    return "\n".join(lines)
+
+
+def main(quick: bool = False) -> dict[str, Any]:
+    res = run((5,) if quick else (5, 50, 500), rounds=1 if quick else 2)
+    res["markdown"] = markdown(res)
+    return res
+
+
+if __name__ == "__main__":
+    print(main(quick="--quick" in sys.argv)["markdown"])

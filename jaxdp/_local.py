@@ -1,0 +1,163 @@
+"""The per-device half of a step: local gradients, micro-batch accumulation, bucket collectives.
+
+Runs inside ``jax.shard_map`` over the data axis (manual over that axis):
+
+1. each rank differentiates its local batch with respect to a *varying* copy of the replicated
+   params (made outside the differentiated function, so autodiff inserts no collective per use);
+2. micro-batches ``1..G-1`` accumulate into flat buffers of ``main_grads_dtype`` inside a
+   ``lax.scan`` with no communication; the last micro-batch is peeled out of the scan so that
+   its backward pass and the bucket collectives form one straight-line region XLA can overlap;
+3. one collective per bucket (:mod:`jaxdp._reduce`). Stage 2 with ``G > 1`` reduce-scatters
+   every micro-batch into a sharded accumulator instead and divides once at the end;
+4. the metrics: mean loss (or per-token loss), aux outputs, the global fp32 gradient norm and,
+   with ``check_for_nan_in_grad``, the number of ranks that saw a non-finite gradient per
+   parameter.
+
+Everything here is a pure function of static inputs (``loss_fn``, the layout, the config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._config import DDPConfig
+from ._layout import BucketLayout
+from ._reduce import finish_deferred, metric_sum, reduce_buckets, reduce_microbatch_buckets
+from .nn._fusion import fused_value_and_grad
+
+__all__ = ["local_gradients", "loss_parts"]
+
+
+def loss_parts(
+    loss_fn: Callable[..., Any], config: DDPConfig, params: Any, mb: Any
+) -> tuple[jax.Array, tuple[Any, Any]]:
+    """``loss_fn``'s output as ``(loss, (num_tokens, aux))``, validated.
+
+    ``num_tokens`` is the micro-batch's token count with ``calculate_per_token_loss`` (and a
+    zero otherwise); ``aux`` is the second output of a ``(loss, aux)`` loss, or ``None``.
+    """
+    out = loss_fn(params, mb)
+    if config.calculate_per_token_loss:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                "DataParallel: with calculate_per_token_loss=True, loss_fn must return "
+                f"(loss_sum, num_tokens); got {type(out).__name__}."
+            )
+        loss_sum, ntok = out
+        return loss_sum, (jnp.asarray(ntok, jnp.float32), None)
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ValueError(
+                f"DataParallel: loss_fn must return loss or (loss, aux); got a tuple of {len(out)}."
+            )
+        loss, aux = out
+        return loss, (jnp.zeros((), jnp.float32), aux)
+    return out, (jnp.zeros((), jnp.float32), None)
+
+
+def local_gradients(
+    params: Any,
+    batch: Any,
+    *,
+    loss_fn: Callable[..., Any],
+    layout: BucketLayout,
+    config: DDPConfig,
+) -> tuple[Any, dict[str, Any]]:
+    """Per-device body of the step: reduced gradients and metrics (call inside ``shard_map``).
+
+    Args:
+        params: the replicated working params.
+        batch: this rank's slice of the global batch (``G`` micro-batches along axis 0).
+        loss_fn: the user's loss (see :func:`loss_parts`).
+        layout: the bucket layout of ``params``.
+        config: the :class:`DDPConfig`.
+
+    Returns:
+        ``(grads, metrics)``: the reduced fp32 gradients, full and params-shaped at stage 0,
+        else this rank's shard view (:meth:`BucketLayout.shard_view`); and the metrics dict
+        (``loss``, ``grad_norm``, optionally ``aux``, ``num_tokens``, ``nonfinite_ranks``).
+    """
+    cfg = config
+    axis, g, dp = cfg.data_axis, cfg.num_microbatches, layout.dp_size
+    sharded = cfg.zero_stage >= 1
+
+    def parts(p: Any, mb: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        return loss_parts(loss_fn, cfg, p, mb)
+
+    # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
+    # then yields per-device partial gradients and inserts no psum per use.
+    wv = jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
+    mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
+    grad_fn = jax.value_and_grad(parts, has_aux=True)
+    if cfg.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
+        mb_ex = jax.tree.map(lambda x: x[0], mbs)
+        wv, grad_fn = fused_value_and_grad(parts, wv, mb_ex, has_aux=True)
+    acc_dt = jnp.dtype(cfg.main_grads_dtype)
+    stage2 = cfg.zero_stage == 2 and g > 1
+    stage2_divisor: list[int] = []
+
+    def finite_flags(grads: Any) -> jax.Array:
+        return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
+
+    def micro(carry: Any, mb: Any) -> tuple[Any, None]:
+        acc, loss, ntok, ok, aux_sum = carry
+        (lval, (nt, aux)), grads = grad_fn(wv, mb)
+        flat = layout.pack(grads, dtype=acc_dt)
+        if stage2:
+            red, divisor = reduce_microbatch_buckets(flat, layout, cfg, num_microbatches=g)
+            stage2_divisor.append(divisor)  # a static int, the same at every trace
+            acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
+        else:
+            acc = tuple(a + f for a, f in zip(acc, flat, strict=True))
+        if cfg.check_for_nan_in_grad:
+            ok = ok & finite_flags(grads)
+        if aux is not None:
+            aux_sum = jax.tree.map(lambda s, a: s + jnp.asarray(a, jnp.float32), aux_sum, aux)
+        return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum), None
+
+    numel = (lambda b: b.shard_numel) if stage2 else (lambda b: b.numel)
+    acc0 = tuple(jnp.zeros((numel(b),), acc_dt) for b in layout.buckets)
+    mb0 = jax.tree.map(lambda x: x[0], mbs)
+    aux_shape = jax.eval_shape(lambda: parts(wv, mb0)[1][1])  # forward only
+    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
+    ok0 = jnp.ones((len(layout.slots),), bool)
+    zero = jnp.zeros((), jnp.float32)
+    carry = (acc0, zero, zero, ok0, aux0)
+    # The scan carry must be varying like the per-device gradients it accumulates.
+    carry = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), carry)
+    if g > 1:
+        head = jax.tree.map(lambda x: x[:-1], mbs)
+        carry, _ = jax.lax.scan(micro, carry, head)
+    # The last micro-batch is peeled out of the scan: its backward and the bucket
+    # collectives below are one straight-line region that XLA can overlap.
+    last = jax.tree.map(lambda x: x[-1], mbs)
+    (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
+
+    if stage2:  # one correctly rounded division of the accumulated sums
+        red = finish_deferred(acc, stage2_divisor[-1])
+    else:
+        red = reduce_buckets(acc, layout, cfg, num_microbatches=g)
+    red = tuple(r.astype(jnp.float32) for r in red)
+    metrics: dict[str, Any] = {}
+    if cfg.calculate_per_token_loss:
+        tokens = metric_sum(ntok, cfg)
+        inv = 1.0 / jnp.maximum(tokens, 1.0)
+        red = tuple(r * inv for r in red)
+        metrics["loss"] = metric_sum(loss, cfg) * inv
+        metrics["num_tokens"] = tokens
+    else:
+        metrics["loss"] = metric_sum(loss / g, cfg) / dp
+    if aux_sum is not None and jax.tree.leaves(aux_sum):
+        metrics["aux"] = jax.tree.map(lambda a: metric_sum(a / g, cfg) / dp, aux_sum)
+    sq = jnp.sum(jnp.stack([jnp.sum(jnp.square(r)) for r in red]))
+    if sharded:
+        sq = metric_sum(sq, cfg)
+    metrics["grad_norm"] = jnp.sqrt(sq)
+    if cfg.check_for_nan_in_grad:
+        metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)
+    grads = layout.shard_view(red) if sharded else layout.unpack(red)
+    return grads, metrics
