@@ -178,7 +178,6 @@ class Trainer:
                 logging = step % t.log_every == 0 or step == t.steps or step == start + 1
                 if logging:
                     loss = float(metrics["loss"])  # waits for the step
-                dt = time.perf_counter() - t0
                 if step == start + 1:
                     jax.block_until_ready(self.state)
                     compile_s = time.perf_counter() - t0
@@ -215,7 +214,6 @@ class Trainer:
                 elif do_eval:
                     val = self.val_loss(eval_fn)
                     last_log_t = time.perf_counter()
-                del dt
                 if step % t.checkpoint_every == 0 or step == t.steps:
                     self.ckpt.save(step, self.state)
                     last_log_t = time.perf_counter()
