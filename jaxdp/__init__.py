@@ -9,6 +9,9 @@ _prepare_jax()  # before anything imports jax: no CUDA noise on machines without
 
 from . import aot as aot
 from . import nn as nn
+from ._batching import microbatches as microbatches
+from ._checkpoint import CheckpointManager as CheckpointManager
+from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._config import DDPConfig as DDPConfig
 from ._config import default_bucket_size as default_bucket_size
@@ -39,6 +42,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AUTO_BUCKET_SIZE",
     "Bucket",
+    "CheckpointManager",
+    "CheckpointMismatchError",
     "BucketLayout",
     "Buffer",
     "DDPConfig",
@@ -53,6 +58,7 @@ __all__ = [
     "default_bucket_size",
     "dp_size",
     "make_mesh",
+    "microbatches",
     "nn",
     "pad_bucket_end",
     "pad_param_start",

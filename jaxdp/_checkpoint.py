@@ -1,0 +1,423 @@
+"""``CheckpointManager``: orbax checkpoints of a :class:`TrainState` that reshard on restore.
+
+A checkpoint does not store the engine's sharded layout. It stores the *canonical* state:
+the working params, the fp32 master weights and every parameter-shaped leaf of the optimizer
+state, each in the shape of its parameter (the ZeRO global view is un-padded and reshaped on
+the way out and rebuilt for the new engine on the way in). A checkpoint written by 8 devices at
+ZeRO stage 1 therefore restores exactly into 4 devices at stage 2, or stage 0, or another
+bucket size: the values are copied, never recomputed.
+
+Writing goes through ``orbax.checkpoint.CheckpointManager``: asynchronous (``save`` returns
+once the arrays are copied off the devices) and atomic (orbax writes into a temporary folder
+and renames it when complete, so a run killed mid-save leaves the previous checkpoint as the
+latest one). Each process writes only the shards it holds.
+
+Beside the arrays a small JSON item records every saved leaf's path, shape and dtype, so that a
+checkpoint from another model is refused with the name of the first parameter that differs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._engine import DataParallel, TrainState
+from ._layout import BucketLayout
+
+__all__ = ["CheckpointManager", "CheckpointMismatchError"]
+
+_FORMAT = 1
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the engine's model or optimizer (names the first difference)."""
+
+
+def _key(i: int) -> str:
+    return f"{i:05d}"
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+class _Slot:
+    def __init__(self, key_path: tuple[Any, ...], shape: tuple[int, ...], padded: int):
+        self.key_path, self.shape, self.padded = key_path, shape, padded
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _slot_keys(layout: BucketLayout) -> list[_Slot]:
+    # The layout's treedef flattens in slot order; rebuild key paths from a dummy tree.
+    dummy = jax.tree_util.tree_unflatten(layout.treedef, list(range(len(layout.slots))))
+    kps = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    return [
+        _Slot(kp, s.shape, (s.end - s.start) * layout.dp_size)
+        for kp, s in zip(kps, layout.slots, strict=True)
+    ]
+
+
+class CheckpointManager:
+    """Save and restore a :class:`TrainState` of ``engine``, resharding on restore.
+
+    Args:
+        directory: folder of the checkpoints (one sub-folder per step; created if missing).
+        engine: the :class:`DataParallel` whose states are saved and restored. It must have
+            been initialised (``engine.init(params)``, or ``jax.eval_shape(engine.init,
+            params)`` when the state will come from a checkpoint anyway).
+        max_to_keep: how many of the newest checkpoints to keep (older ones are deleted).
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, optax
+        >>> from jaxdp import CheckpointManager, DataParallel, DDPConfig
+        >>> def loss_fn(p, b):
+        ...     return jnp.mean((b["x"] @ p["w"]) ** 2)
+        >>> dp = DataParallel(loss_fn, optax.adam(1e-2), DDPConfig(zero_stage=1))
+        >>> state = dp.init({"w": jnp.ones((4, 3))})
+        >>> ckpt = CheckpointManager(tempfile.mkdtemp(), dp)
+        >>> ckpt.save(0, state)
+        >>> ckpt.wait_until_finished()
+        >>> ckpt.latest_step(), dp.params(ckpt.restore())["w"].shape
+        (0, (4, 3))
+        >>> ckpt.close()
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], engine: DataParallel, *, max_to_keep=3):
+        if not isinstance(engine, DataParallel):
+            raise TypeError(
+                f"CheckpointManager: engine is a {type(engine).__name__}; expected a "
+                "jaxdp.DataParallel. Fix: CheckpointManager(directory, engine)."
+            )
+        if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
+            raise ValueError(
+                f"CheckpointManager: max_to_keep={max_to_keep!r}; expected an int >= 1. "
+                "Fix: e.g. max_to_keep=3."
+            )
+        engine.layout  # noqa: B018 - a clear error when the engine was never initialised
+        self.engine = engine
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=True
+        )
+        self._mngr = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta")
+        )
+        self._to_canonical: Any = None
+        self._from_canonical: Any = None
+
+    # ------------------------------------------------------------------ queries
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        self._mngr.reload()
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint, oldest first."""
+        self._mngr.reload()
+        return sorted(self._mngr.all_steps())
+
+    def wait_until_finished(self) -> None:
+        """Block until every pending asynchronous save is on disk."""
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release orbax's background threads."""
+        self._mngr.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ canonical form
+    def _canonical_fn(self, state: TrainState) -> dict[str, Any]:
+        eng, layout = self.engine, self.engine.layout
+        sharded = eng.config.zero_stage >= 1
+        master = state.master
+        opt = state.opt_state
+        if sharded:
+            opt = _opt_from_view(opt, state.master, layout)
+            master = layout.from_global_view(master)
+        out: dict[str, Any] = {
+            "step": state.step,
+            "params": _as_dict(state.params),
+            "opt_state": _as_dict(opt),
+        }
+        if master is not None:
+            out["master"] = _as_dict(master)
+        return out
+
+    def _meta(self, canonical: Any, opt_paths: list[str]) -> dict[str, Any]:
+        layout = self.engine.layout
+        slots = _slot_keys(layout)
+        return {
+            "format": _FORMAT,
+            "params": [
+                [jax.tree_util.keystr(s.key_path), list(s.shape), sl.dtype]
+                for s, sl in zip(slots, layout.slots, strict=True)
+            ],
+            "has_master": "master" in canonical,
+            "opt_state": [
+                [p, list(x.shape), str(x.dtype)]
+                for p, x in zip(opt_paths, canonical["opt_state"].values(), strict=True)
+            ],
+        }
+
+    def _canonical_shardings(self, abstract: Any) -> Any:
+        """Split each canonical array's first axis over the data axis where it divides evenly
+        (each process then writes and reads only its part); replicate the rest."""
+        mesh, axis, dp = self.engine.mesh, self.engine.config.data_axis, self.engine.dp
+
+        def spec(x: Any) -> NamedSharding:
+            if x.ndim >= 1 and x.shape[0] % dp == 0:
+                return NamedSharding(mesh, P(axis))
+            return NamedSharding(mesh, P())
+
+        return jax.tree.map(spec, abstract)
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: TrainState) -> None:
+        """Start saving ``state`` as checkpoint ``step`` (asynchronous; see
+        :meth:`wait_until_finished`). Every process must call it."""
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"CheckpointManager.save: state is a {type(state).__name__}; expected the "
+                "jaxdp.TrainState returned by engine.init / engine.step."
+            )
+        if self._to_canonical is None:
+            abstract = jax.eval_shape(self._canonical_fn, state)
+            self._to_canonical = jax.jit(
+                self._canonical_fn, out_shardings=self._canonical_shardings(abstract)
+            )
+        canonical = self._to_canonical(state)
+        opt_paths = _leaf_paths(_canonical_opt_abstract(self.engine))
+        meta = self._meta(canonical, opt_paths)
+        self._mngr.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, step: int | None = None) -> TrainState:
+        """Load checkpoint ``step`` (default: the latest) into the engine's devices, ZeRO
+        stage and bucket layout.
+
+        Raises:
+            FileNotFoundError: there is no such checkpoint.
+            CheckpointMismatchError: the checkpoint holds another model (names the first
+                parameter whose path or shape differs) or another optimizer.
+        """
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(
+                    f"CheckpointManager.restore: no checkpoint in {self.directory}. Fix: train "
+                    "without restoring, or point the manager at the run's checkpoints folder."
+                )
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"CheckpointManager.restore: step={step} is not in {self.directory} "
+                f"(steps: {steps}). Fix: pass one of those, or step=None for the latest."
+            )
+        meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
+        where = os.path.join(self.directory, str(step))
+        target = self._target(meta, where)
+        abstract = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+            target,
+            self._canonical_shardings(target),
+        )
+        loaded = self._mngr.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        )["state"]
+        if self._from_canonical is None:
+            self._from_canonical = jax.jit(
+                self._from_canonical_fn, out_shardings=self.engine.state_shardings
+            )
+        return self._from_canonical(loaded)
+
+    def _target(self, meta: dict[str, Any], where: str) -> dict[str, Any]:
+        """The canonical tree this engine expects, checked against the checkpoint's metadata."""
+        eng, layout = self.engine, self.engine.layout
+        if meta.get("format") != _FORMAT:
+            raise CheckpointMismatchError(
+                f"CheckpointManager.restore: {where} has format {meta.get('format')!r}; "
+                f"expected {_FORMAT}. Fix: restore it with the jaxdp version that wrote it."
+            )
+        saved = {p: (tuple(s), d) for p, s, d in meta["params"]}
+        slots = _slot_keys(layout)
+        want = {
+            jax.tree_util.keystr(s.key_path): (tuple(s.shape), sl.dtype)
+            for s, sl in zip(slots, layout.slots, strict=True)
+        }
+        for p, (shape, _) in want.items():
+            if p not in saved:
+                raise CheckpointMismatchError(
+                    f"CheckpointManager.restore: parameter {p} (shape {shape}) is not in the "
+                    f"checkpoint {where}, which holds {sorted(saved)[:6]}... Fix: restore a "
+                    "checkpoint of this model, or train from scratch (another --out folder)."
+                )
+            if saved[p][0] != shape:
+                raise CheckpointMismatchError(
+                    f"CheckpointManager.restore: parameter {p} has shape {saved[p][0]} in the "
+                    f"checkpoint {where} but {shape} in this model. Fix: build the model with the "
+                    "configuration the checkpoint was trained with, or train from scratch."
+                )
+        extra = sorted(set(saved) - set(want))
+        if extra:
+            raise CheckpointMismatchError(
+                f"CheckpointManager.restore: the checkpoint {where} holds parameter {extra[0]} "
+                f"(shape {saved[extra[0]][0]}), which this model does not have. Fix: build the "
+                "model the checkpoint was trained with, or train from scratch."
+            )
+        params = jax.tree_util.tree_unflatten(
+            layout.treedef, [jnp.zeros(s.shape, s.dtype) for s in layout.slots]
+        )
+        abstract = jax.eval_shape(eng._init_fn, params)
+        canonical = jax.eval_shape(self._canonical_fn, abstract)
+        opt_paths = _leaf_paths(_canonical_opt_abstract(eng))
+        got = [(p, tuple(s)) for p, s, _ in meta["opt_state"]]
+        exp = [(p, tuple(x.shape)) for p, x in zip(opt_paths, canonical["opt_state"].values())]
+        if got != exp:
+            diff = next(
+                (f"{g} vs expected {e}" for g, e in zip(got, exp) if g != e),
+                f"{len(got)} leaves vs expected {len(exp)}",
+            )
+            raise CheckpointMismatchError(
+                f"CheckpointManager.restore: the optimizer state in {where} does not match this "
+                f"engine's optimizer (first difference: {diff}). Fix: use the optimizer the "
+                "checkpoint was trained with."
+            )
+        if meta["has_master"]:
+            if "master" not in canonical:
+                canonical["master"] = canonical["params"]
+        else:
+            canonical.pop("master", None)
+        return canonical
+
+    def _from_canonical_fn(self, c: dict[str, Any]) -> TrainState:
+        eng, layout = self.engine, self.engine.layout
+        treedef = layout.treedef
+        params = _from_dict(c["params"], treedef)
+        work_dt = [jnp.dtype(eng.config.param_dtype or s.dtype) for s in layout.slots]
+        mdt = eng._master_dtype(layout)
+        saved_master = _from_dict(c["master"], treedef) if "master" in c else None
+        # Without saved master weights the params were fp32 (stage 0): they are the master.
+        full_master = saved_master if saved_master is not None else params
+        params = jax.tree_util.tree_unflatten(
+            treedef,
+            [x.astype(d) for x, d in zip(jax.tree.leaves(params), work_dt, strict=True)],
+        )
+        abstract = jax.eval_shape(eng._init_fn, params)
+        opt_def = jax.tree_util.tree_structure(_canonical_opt_abstract(eng))
+        opt = jax.tree_util.tree_unflatten(opt_def, list(c["opt_state"].values()))
+        if eng.config.zero_stage >= 1:
+            master = layout.to_global_view(full_master, mdt)
+            opt = _opt_to_view(opt, abstract.opt_state, layout)
+        elif abstract.master is None:
+            master = None
+        else:
+            master = jax.tree.map(lambda x: x.astype(mdt), full_master)
+        opt = jax.tree.map(lambda x, a: x.astype(a.dtype), opt, abstract.opt_state)
+        return TrainState(step=c["step"], params=params, master=master, opt_state=opt)
+
+
+def _as_dict(tree: Any) -> dict[str, Any]:
+    return {_key(i): x for i, x in enumerate(jax.tree.leaves(tree))}
+
+
+def _from_dict(d: dict[str, Any], treedef: Any) -> Any:
+    return jax.tree_util.tree_unflatten(treedef, [d[k] for k in sorted(d)])
+
+
+def _canonical_opt_abstract(engine: DataParallel) -> Any:
+    """The optimizer state's structure over param-shaped (not view-shaped) weights."""
+    layout = engine.layout
+    params = jax.tree_util.tree_unflatten(
+        layout.treedef, [jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in layout.slots]
+    )
+    return jax.eval_shape(engine.optimizer.init, params)
+
+
+def _slot_for(path: tuple[Any, ...], slots: list[_Slot]) -> _Slot | None:
+    for s in slots:
+        n = len(s.key_path)
+        if n and tuple(path[-n:]) == tuple(s.key_path):
+            return s
+    return None
+
+
+def _opt_from_view(opt: Any, master_view: Any, layout: BucketLayout) -> Any:
+    """Optimizer state over the global view -> the same leaves in their parameters' shapes."""
+    if layout.kind == "megatron":
+        view_def = jax.tree_util.tree_structure(master_view)
+
+        def is_view(x: Any) -> bool:
+            return _same_def(x, view_def) and all(
+                getattr(a, "shape", None) == b.shape
+                for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(master_view))
+            )
+
+        return jax.tree.map(
+            lambda x: layout.from_global_view(x) if is_view(x) else x, opt, is_leaf=is_view
+        )
+    slots = _slot_keys(layout)
+
+    def conv(path: tuple[Any, ...], x: Any) -> Any:
+        s = _slot_for(path, slots)
+        if s is None or x.shape != (s.padded,):
+            return x
+        return x[: s.size].reshape(s.shape)
+
+    return jax.tree_util.tree_map_with_path(conv, opt)
+
+
+def _opt_to_view(opt: Any, view_opt: Any, layout: BucketLayout) -> Any:
+    """Inverse of :func:`_opt_from_view`, given the engine's (abstract) view-shaped state."""
+    if layout.kind == "megatron":
+        dummy = jax.tree_util.tree_unflatten(
+            layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
+        )
+        pdef = jax.tree_util.tree_structure(dummy)
+        shapes = [s.shape for s in layout.slots]
+
+        def is_param(x: Any) -> bool:
+            return (
+                _same_def(x, pdef)
+                and [getattr(a, "shape", None) for a in jax.tree.leaves(x)] == shapes
+            )
+
+        return jax.tree.map(
+            lambda x: layout.to_global_view(x) if is_param(x) else x, opt, is_leaf=is_param
+        )
+    slots = _slot_keys(layout)
+
+    def conv(path: tuple[Any, ...], x: Any, v: Any) -> Any:
+        s = _slot_for(path, slots)
+        if s is None or v.shape != (s.padded,):
+            return x
+        flat = jnp.ravel(x)
+        return jnp.pad(flat, (0, s.padded - s.size)) if s.padded > s.size else flat
+
+    return jax.tree_util.tree_map_with_path(conv, opt, view_opt)
+
+
+def _same_def(tree: Any, treedef: Any) -> bool:
+    mine: Any = jax.tree_util.tree_structure(tree)
+    return bool(mine == treedef)

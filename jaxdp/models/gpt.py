@@ -1,0 +1,151 @@
+"""A byte-level GPT (decoder-only transformer) in plain flax linen.
+
+Pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP, learned position
+embeddings, an untied output head over the 256 byte values. Small enough to train on CPU
+devices in minutes; the main job (``python -m jaxdp.train``) trains it with ``DataParallel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["GPT", "GPTConfig", "generate", "next_byte_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model.
+
+    Attributes:
+        layers: transformer blocks.
+        width: model (residual stream) width; a multiple of ``heads``.
+        heads: attention heads.
+        context: longest sequence, in bytes.
+        vocab: vocabulary size (256 for bytes).
+
+    Example:
+        >>> GPTConfig(layers=2, width=64, heads=2, context=32).width // 2
+        32
+    """
+
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    context: int = 128
+    vocab: int = 256
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(
+                    f"GPTConfig: {f.name}={v!r}; expected a positive int. Fix: e.g. "
+                    f"{f.name}={f.default}."
+                )
+        if self.width % self.heads:
+            raise ValueError(
+                f"GPTConfig: width={self.width} is not a multiple of heads={self.heads}. Fix: "
+                f"width={self.width // self.heads * self.heads or self.heads} or a heads value "
+                f"that divides {self.width}."
+            )
+
+
+class _Block(nn.Module):
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        t = x.shape[1]
+        h = nn.LayerNorm(name="ln_attn")(x)
+        mask = nn.make_causal_mask(jnp.ones((1, t), bool))
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=cfg.heads, qkv_features=cfg.width, name="attn"
+        )(h, h, mask=mask)
+        x = x + h
+        h = nn.LayerNorm(name="ln_mlp")(x)
+        h = nn.Dense(4 * cfg.width, name="fc")(h)
+        h = nn.Dense(cfg.width, name="proj")(nn.gelu(h))
+        return x + h
+
+
+class GPT(nn.Module):
+    """``GPT(cfg)(tokens[int32, (batch, time)]) -> logits[(batch, time, vocab)]``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> model = GPT(GPTConfig(layers=1, width=16, heads=2, context=8))
+        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> model.apply({"params": params}, jnp.zeros((2, 8), jnp.int32)).shape
+        (2, 8, 256)
+    """
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        t = tokens.shape[1]
+        x = nn.Embed(cfg.vocab, cfg.width, name="embed")(tokens)
+        pos = self.param("pos", nn.initializers.normal(0.02), (cfg.context, cfg.width))
+        x = x + pos[:t].astype(x.dtype)
+        for i in range(cfg.layers):
+            x = _Block(cfg, name=f"block_{i}")(x)
+        x = nn.LayerNorm(name="ln_f")(x)
+        # A small head init starts the loss at ln(256), the uniform guess.
+        return nn.Dense(cfg.vocab, kernel_init=nn.initializers.normal(0.02), name="head")(x)
+
+
+def next_byte_loss(model: GPT, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-byte cross-entropy (nats) of ``batch["tokens"]`` (``(batch, context + 1)``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> model = GPT(GPTConfig(layers=1, width=16, heads=2, context=8))
+        >>> p = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> loss = next_byte_loss(model, p, {"tokens": jnp.zeros((2, 9), jnp.int32)})
+        >>> bool(abs(float(loss) - jnp.log(256.0)) < 0.5)
+        True
+    """
+    tokens = batch["tokens"]
+    logits: Any = model.apply({"params": params}, tokens[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
+    return jnp.mean(ce)
+
+
+def generate(
+    model: GPT, params: Any, prompt: bytes, length: int, key: jax.Array, temperature: float = 0.8
+) -> bytes:
+    """Sample ``length`` bytes after ``prompt`` (a sliding window of ``context`` bytes).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> model = GPT(GPTConfig(layers=1, width=16, heads=2, context=8))
+        >>> p = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> len(generate(model, p, b"def ", 5, jax.random.key(1)))
+        5
+    """
+    ctx = model.cfg.context
+
+    @jax.jit
+    def next_byte(window: jax.Array, n: jax.Array, k: jax.Array) -> jax.Array:
+        logits = model.apply({"params": params}, window[None])[0]
+        last = jax.lax.dynamic_index_in_dim(logits, n - 1, keepdims=False)
+        return jax.random.categorical(k, last.astype(jnp.float32) / temperature)
+
+    seq = list(prompt) or [10]
+    out = bytearray()
+    for i in range(length):
+        window = seq[-ctx:]
+        n = len(window)
+        padded = jnp.asarray(window + [0] * (ctx - n), jnp.int32)
+        b = int(next_byte(padded, jnp.int32(n), jax.random.fold_in(key, i)))
+        seq.append(b)
+        out.append(b)
+    return bytes(out)

@@ -1,0 +1,262 @@
+"""The main job's training loop: GPT + DataParallel + checkpoints + logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from .._batching import microbatches
+from .._checkpoint import CheckpointManager
+from .._engine import DataParallel
+from .._mesh import make_mesh
+from ..models.gpt import GPT, generate, next_byte_loss
+from ._cli import UsageError, clear_run
+from ._data import batch_rows, load_corpus
+from ._options import RunConfig
+from ._report import MetricsLog, bytes_moved_per_step, plot_loss, print_summary
+
+__all__ = ["Trainer"]
+
+_EVAL_SEED_OFFSET = 1_000_003
+
+
+def make_optimizer(cfg: RunConfig, params: Any) -> optax.GradientTransformation:
+    t = cfg.train
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, t.lr, max(t.warmup, 1), max(t.decay_steps, t.warmup + 1), t.lr * t.min_lr_ratio
+    )
+    matrices = jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay, mask=matrices)
+
+
+class Trainer:
+    """Everything that can fail on bad input is done in ``__init__`` (before any file in OUT
+    changes); :meth:`run` trains."""
+
+    def __init__(self, cfg: RunConfig, args: argparse.Namespace):
+        self.cfg, self.args = cfg, args
+        self.lead = jax.process_index() == 0
+        self.console = Console(quiet=not self.lead)
+        devices = jax.devices()
+        if args.devices and jax.process_count() == 1:
+            if args.devices > len(devices):
+                raise UsageError(
+                    f"--devices {args.devices}: only {len(devices)} "
+                    f"{devices[0].platform} devices exist. Fix: --devices {len(devices)} or "
+                    "fewer."
+                )
+            devices = devices[: args.devices]
+        self.mesh = make_mesh(devices, axis=cfg.ddp.data_axis)
+        dp = len(devices)
+        t = cfg.train
+        try:
+            g = microbatches(t.global_batch, t.micro_batch, dp)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"--global-batch/--micro-batch with {dp} devices: {e}") from None
+        self.ddp = cfg.ddp.replace(num_microbatches=g)
+        if t.global_batch % jax.process_count():
+            raise UsageError(
+                f"--global-batch {t.global_batch} is not divisible by the "
+                f"{jax.process_count()} processes."
+            )
+        self.corpus = load_corpus(cfg.data, cfg.model.context)
+        self.model = GPT(cfg.model)
+        key = jax.random.key(t.seed)
+        dummy = jnp.zeros((1, cfg.model.context), jnp.int32)
+        # Host copies: every process starts from the same values, committed to no device.
+        self.params0 = jax.tree.map(np.asarray, jax.jit(self.model.init)(key, dummy)["params"])
+        model = self.model
+
+        def loss_fn(params: Any, batch: Any) -> jax.Array:
+            return next_byte_loss(model, params, batch)
+
+        self.loss_fn = loss_fn
+        self.engine = DataParallel(
+            loss_fn, make_optimizer(cfg, self.params0), self.ddp, mesh=self.mesh
+        )
+        ckpt_dir = os.path.abspath(os.path.join(args.out, "checkpoints"))
+        self.resume_step: int | None = None
+        if args.resume:
+            jax.eval_shape(self.engine.init, self.params0)
+            self.ckpt = CheckpointManager(ckpt_dir, self.engine)
+            self.resume_step = self.ckpt.latest_step()
+            if self.resume_step is None:
+                raise UsageError(
+                    f"--resume: {ckpt_dir} holds no complete checkpoint. Fix: drop --resume "
+                    "(with --overwrite) to start again."
+                )
+            self.state = self.ckpt.restore(self.resume_step)
+        else:
+            # Every process has checked OUT before any process changes it.
+            self._barrier("out-checked")
+            if args.overwrite and self.lead:
+                clear_run(args.out)
+            self._barrier("out-cleared")
+            self.state = self.engine.init(self.params0)
+            self.ckpt = CheckpointManager(ckpt_dir, self.engine)
+        p, n = jax.process_index(), jax.process_count()
+        per = t.global_batch // n
+        self.rows = slice(p * per, (p + 1) * per)
+
+    @staticmethod
+    def _barrier(name: str) -> None:
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(name)
+
+    # ------------------------------------------------------------------ data
+    def batch(self, data: np.ndarray, seed: int, step: int) -> Any:
+        t, ctx = self.cfg.train, self.cfg.model.context
+        rows = batch_rows(data, seed, step, t.global_batch, ctx, self.rows)
+        return self.engine.shard_batch({"tokens": rows})
+
+    def val_loss(self, eval_fn: Any) -> float:
+        t = self.cfg.train
+        params = self.engine.params(self.state)
+        total = 0.0
+        for i in range(t.eval_batches):
+            b = self.batch(self.corpus.val, t.seed + _EVAL_SEED_OFFSET, i)
+            total += float(eval_fn(params, b))
+        return total / t.eval_batches
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> None:
+        cfg, args, t = self.cfg, self.args, self.cfg.train
+        out = args.out
+        if self.lead:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as f:
+                f.write(cfg.to_yaml())
+        log = (
+            MetricsLog(os.path.join(out, "metrics.jsonl"), self.resume_step) if self.lead else None
+        )
+        dp, eng = self.engine.dp, self.engine
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params0))
+        start = int(self.resume_step or 0)
+        self.console.print(
+            f"[bold]jaxdp-train[/]: GPT {cfg.model.layers}x{cfg.model.width} ({n_params:,} "
+            f"params), {dp} x {jax.devices()[0].platform} devices in {jax.process_count()} "
+            f"process(es), ZeRO {self.ddp.zero_stage}, global batch {t.global_batch} = "
+            f"{t.micro_batch} x {self.ddp.num_microbatches} x {dp}; corpus "
+            f"{self.corpus.source} ({self.corpus.train.size:,} train / "
+            f"{self.corpus.val.size:,} val bytes)"
+            + (f"; resumed at step {start}" if self.resume_step is not None else "")
+        )
+        eval_fn = jax.jit(self.loss_fn)
+        tokens_per_step = t.global_batch * cfg.model.context
+        t_wall = time.perf_counter()
+        compile_s = 0.0
+        steady_time, steady_steps = 0.0, 0
+        losses: list[float] = []
+        val: float | None = None
+        last_log_t, last_log_step = time.perf_counter(), start
+        progress = Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.lead,
+        )
+        with progress:
+            task = progress.add_task("compiling", total=t.steps, completed=start)
+            for step in range(start + 1, t.steps + 1):
+                t0 = time.perf_counter()
+                batch = self.batch(self.corpus.train, t.seed, step)
+                self.state, metrics = eng.step(self.state, batch)
+                logging = step % t.log_every == 0 or step == t.steps or step == start + 1
+                if logging:
+                    loss = float(metrics["loss"])  # waits for the step
+                if step == start + 1:
+                    jax.block_until_ready(self.state)
+                    compile_s = time.perf_counter() - t0
+                    last_log_t = time.perf_counter()
+                    last_log_step = step
+                else:
+                    steady_steps += 1
+                do_eval = step % t.eval_every == 0 or step == t.steps
+                if logging:
+                    now = time.perf_counter()
+                    n = max(step - last_log_step, 1)
+                    step_time = (now - last_log_t) / n if step > last_log_step else compile_s
+                    if step > last_log_step:
+                        steady_time += now - last_log_t
+                    rec: dict[str, Any] = {
+                        "step": step,
+                        "loss": loss,
+                        "grad_norm": float(metrics["grad_norm"]),
+                        "tokens_per_s": tokens_per_step / step_time,
+                    }
+                    losses.append(loss)
+                    if do_eval:
+                        val = self.val_loss(eval_fn)
+                        rec["val_loss"] = val
+                    if log is not None:
+                        log.append(rec)
+                    progress.update(
+                        task,
+                        description=f"loss {loss:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
+                        f"{1000 * step_time:.0f} ms/step"
+                        + (f" | val {val:.3f}" if val is not None else ""),
+                    )
+                    last_log_t, last_log_step = time.perf_counter(), step
+                elif do_eval:
+                    val = self.val_loss(eval_fn)
+                    last_log_t = time.perf_counter()
+                if step % t.checkpoint_every == 0 or step == t.steps:
+                    self.ckpt.save(step, self.state)
+                    last_log_t = time.perf_counter()
+                progress.update(task, completed=step)
+        self.ckpt.wait_until_finished()
+        self.ckpt.close()
+        wall = time.perf_counter() - t_wall
+        if not self.lead or not losses:
+            self._barrier("done")
+            return
+        sample = None
+        if t.sample_bytes:
+            params = jax.tree.map(lambda x: x.addressable_data(0), eng.params(self.state))
+            raw = generate(self.model, params, b"def ", t.sample_bytes, jax.random.key(t.seed))
+            sample = "def " + raw.decode("utf-8", errors="replace")
+        records = log.records if log is not None else []
+        layout = eng.layout
+        state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state))
+        step_time = steady_time / steady_steps if steady_steps else compile_s
+        info = {
+            "params": n_params,
+            "devices": f"{dp} x {jax.devices()[0].platform} in {jax.process_count()} process(es)",
+            "zero_stage": self.ddp.zero_stage,
+            "num_microbatches": self.ddp.num_microbatches,
+            "buckets": len(layout.buckets),
+            "bucket_numel": sum(b.numel for b in layout.buckets),
+            "state_bytes_per_device": state_bytes,
+            "bytes_per_step": bytes_moved_per_step(
+                layout, self.ddp.zero_stage, self.ddp.num_microbatches
+            ),
+            "first_step": start,
+            "last_step": t.steps,
+            "loss_first": records[0]["loss"] if records else losses[0],
+            "loss_last": losses[-1],
+            "val_loss": val,
+            "unigram_entropy": self.corpus.unigram_entropy(),
+            "tokens_per_s": tokens_per_step / step_time if step_time else 0.0,
+            "step_time_s": step_time,
+            "compile_s": compile_s,
+            "wall_s": wall,
+        }
+        plot_loss(records, os.path.join(out, "loss.png"), info["unigram_entropy"])
+        with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump({**info, "sample": sample}, f, indent=1)
+        print_summary(self.console, info, sample)
+        self._barrier("done")

@@ -1,0 +1,149 @@
+"""jaxdp-train (in-process, tiny configs): outputs, exact resume and every bad-input path."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from jaxdp.train import main
+from jaxdp.train._options import load_run_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    "model": {"layers": 1, "width": 32, "heads": 2, "context": 16},
+    "train": {
+        "steps": 4,
+        "global_batch": 16,
+        "micro_batch": 1,
+        "log_every": 1,
+        "eval_every": 2,
+        "eval_batches": 1,
+        "checkpoint_every": 2,
+        "sample_bytes": 8,
+        "warmup": 2,
+        "decay_steps": 10,
+    },
+}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+def _losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_default_config_file_matches_the_defaults():
+    assert load_run_config(os.path.join(ROOT, "configs", "gpt_tiny.yaml")) == load_run_config(None)
+
+
+def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
+    straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["--config", tiny, "--out", straight]) == 0
+    recs = _losses(straight)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        assert set(r) >= {"step", "loss", "grad_norm", "tokens_per_s"}
+    assert [r["step"] for r in recs if "val_loss" in r] == [2, 4]
+    for f in ("loss.png", "config.yaml", "summary.json", "checkpoints"):
+        assert os.path.exists(os.path.join(straight, f)), f
+    with open(os.path.join(straight, "config.yaml")) as f:
+        saved = yaml.safe_load(f)
+    assert saved["model"] == {**TINY["model"], "vocab": 256}
+    assert saved["ddp"]["num_microbatches"] == 1  # resolved config, not the input
+    assert "summary" in capsys.readouterr().out
+
+    # Half the steps, then --resume to the end: the same losses, bit for bit.
+    assert main(["--config", tiny, "--out", resumed, "--steps", "2"]) == 0
+    assert main(["--out", resumed, "--resume", "--steps", "4"]) == 0
+    got = _losses(resumed)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["loss"] for r in got] == [r["loss"] for r in recs]
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in recs]
+    assert [r.get("val_loss") for r in got] == [r.get("val_loss") for r in recs]
+
+
+def _error(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdp-train: error: ") and "Traceback" not in err
+    return err
+
+
+def test_bad_config_inputs(tmp_path, tiny, capsys):
+    out = str(tmp_path / "out")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {stpes: 3}\n")
+    err = _error(capsys, ["--config", str(bad), "--out", out])
+    assert "bad.yaml" in err and "'stpes'" in err and "'steps'" in err
+    bad.write_text("train: {steps: three}\n")
+    err = _error(capsys, ["--config", str(bad), "--out", out])
+    assert "steps='three'" in err and "int" in err
+    bad.write_text("ddp: {zero_stag: 1}\n")
+    assert "zero_stag" in _error(capsys, ["--config", str(bad), "--out", out])
+    err = _error(capsys, ["--config", tiny, "--out", out, "--set", "zero_stage=five"])
+    assert "zero_stage" in err
+    assert "no_such_field" in _error(capsys, ["--out", out, "--set", "no_such_field=1"])
+    assert "key=value" in _error(capsys, ["--out", out, "--set", "zero_stage"])
+    assert "only 8 cpu devices" in _error(
+        capsys, ["--config", tiny, "--out", out, "--devices", "99"]
+    )
+    assert "no such file" in _error(capsys, ["--config", str(tmp_path / "x.yaml"), "--out", out])
+    err = _error(capsys, ["--config", tiny, "--out", out, "--global-batch", "20"])
+    assert "global_batch=20" in err and "micro_batch x dp = 1 x 8" in err
+    assert not os.path.exists(out)  # nothing was written
+
+
+def test_bad_data_inputs(tmp_path, tiny, capsys):
+    out = str(tmp_path / "out")
+    err = _error(capsys, ["--config", tiny, "--out", out, "--data", str(tmp_path / "missing")])
+    assert "missing" in err and "no such file" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no text files" in _error(capsys, ["--config", tiny, "--out", out, "--data", str(empty)])
+    (empty / "a.txt").write_text("tiny")
+    err = _error(capsys, ["--config", tiny, "--out", out, "--data", str(empty)])
+    assert "context + 1 = 17" in err
+    assert not os.path.exists(out)
+
+
+def test_existing_run_other_model_and_resume_errors(tmp_path, tiny, capsys):
+    out = str(tmp_path / "run")
+    assert "nothing to resume" in _error(capsys, ["--out", out, "--resume"])
+    assert main(["--config", tiny, "--out", out, "--steps", "2"]) == 0
+    capsys.readouterr()
+    before = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
+    err = _error(capsys, ["--config", tiny, "--out", out])
+    assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+    err = _error(capsys, ["--out", out, "--resume", "--set", "model.width=64", "--steps", "3"])
+    assert "['block_0']['attn']['key']['bias'] has shape (2, 16)" in err and "(2, 32)" in err
+    assert "contradict" in _error(capsys, ["--out", out, "--resume", "--overwrite"])
+    after = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
+    assert before == after  # nothing overwritten
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert main(["--config", tiny, "--out", out, "--overwrite", "--steps", "1"]) == 0
+    assert [r["step"] for r in _losses(out)] == [1]
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_error_is_one_line_in_a_fresh_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxdp.train", "--out", str(tmp_path), "--set", "bogus=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "jaxdp-train: error: " in r.stderr and "'bogus'" in r.stderr
