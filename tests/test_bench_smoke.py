@@ -1,0 +1,47 @@
+"""``python bench/run_all.py --quick`` runs every benchmark end to end (a smoke test: the
+numbers of a quick run are not checked, only that every section and plot is produced)."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = (
+    "## 1. Bucket layout",
+    "## 2. Step time",
+    "## 3. Memory per device",
+    "## 4. Memory per device on 8 x H100",
+    "## 5. Communication per step",
+    "## 6. Numerics vs N",
+    "## 7. Compile time vs parameter leaves",
+    "## 8. Scaling vs device count and model size",
+    "## 9. Gradient-accumulation fusion",
+    "## 10. GPU (H100)",
+)
+
+
+def test_run_all_quick(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/run_all.py",
+            "--quick",
+            "--out",
+            str(out),
+            "--plots",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    for heading in SECTIONS:
+        assert heading in text, heading
+    for png in ("numerics_vs_n.png", "scaling.png"):
+        assert (tmp_path / png).stat().st_size > 1000, png
