@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _fp32_property import round_to_bf16
 from jax.sharding import PartitionSpec as P
 
 from jaxdp import (
@@ -18,23 +19,6 @@ from jaxdp import (
 )
 
 BF16 = ml_dtypes.bfloat16
-
-
-def round_to_bf16(x64: np.ndarray) -> np.ndarray:
-    """Correctly rounded float64 -> bfloat16 (nearest, ties to even), no double rounding.
-
-    Exact in float64 for normal bf16 values: ``ulp`` is a power of two, so the divisions and
-    ``floor`` below are exact.
-    """
-    x64 = np.asarray(x64, np.float64)
-    mag = np.abs(x64)
-    safe = np.where(mag > 0, mag, 1.0)
-    ulp = np.exp2(np.floor(np.log2(safe)) - 7)  # bf16 has 8 significant bits
-    k = np.floor(safe / ulp)
-    rem = safe / ulp - k
-    up = (rem > 0.5) | ((rem == 0.5) & (k % 2 == 1))
-    out = np.where(mag > 0, (k + up) * ulp, 0.0) * np.sign(x64)
-    return out.astype(np.float32).astype(BF16)
 
 
 def per_rank_values(dp: int, n: int, seed: int = 0) -> np.ndarray:
