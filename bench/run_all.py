@@ -227,9 +227,10 @@ a ~350M-parameter flax GPT at bf16 (`jaxdp.models.GPT`, 24 blocks x 1024 wide, c
 the jaxdp step (stage 1, default buckets, `jaxdp.apply_xla_flags()` before jax starts) against
 the bare jitted single-device step of the same model (goal: overhead <= 1.02x), with
 `grad_reduce_in_fp32` on and off, and MFU from the model FLOPs (6 x params x tokens per step)
-over the GPU's bf16 peak. The ready-made part of it:
+over the GPU's bf16 peak. The exact commands (`--tiny` checks the first on a CPU):
 
 ```bash
+python bench/bench_gpu.py              # 28 x 1024 byte-level GPT (~353M params), bf16, all GPUs
 python bench/bench_fusion.py --gpu     # fusion on/off step time, 8 jaxdp.nn.Dense 4096x4096
 ```
 
