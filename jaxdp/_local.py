@@ -98,7 +98,7 @@ def local_gradients(
         wv, grad_fn = fused_value_and_grad(parts, wv, mb_ex, has_aux=True)
     acc_dt = jnp.dtype(cfg.main_grads_dtype)
     stage2 = cfg.zero_stage == 2 and g > 1
-    stage2_divisor: list[int] = []
+    stage2_divisors: list[tuple[int, ...]] = []
 
     def finite_flags(grads: Any) -> jax.Array:
         return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
@@ -108,8 +108,8 @@ def local_gradients(
         (lval, (nt, aux)), grads = grad_fn(wv, mb)
         flat = layout.pack(grads, dtype=acc_dt)
         if stage2:
-            red, divisor = reduce_microbatch_buckets(flat, layout, cfg, num_microbatches=g)
-            stage2_divisor.append(divisor)  # a static int, the same at every trace
+            red, divisors = reduce_microbatch_buckets(flat, layout, cfg, num_microbatches=g)
+            stage2_divisors.append(divisors)  # static ints, the same at every trace
             acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
         else:
             acc = tuple(a + f for a, f in zip(acc, flat, strict=True))
@@ -138,7 +138,7 @@ def local_gradients(
     (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
 
     if stage2:  # one correctly rounded division of the accumulated sums
-        red = finish_deferred(acc, stage2_divisor[-1])
+        red = finish_deferred(acc, stage2_divisors[-1])
     else:
         red = reduce_buckets(acc, layout, cfg, num_microbatches=g)
     red = tuple(r.astype(jnp.float32) for r in red)

@@ -208,31 +208,27 @@ def reduce_microbatch_buckets(
     config: DDPConfig,
     *,
     num_microbatches: int,
-) -> tuple[tuple[jax.Array, ...], int]:
+) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
     """Reduce-scatter one micro-batch's buckets for a sharded accumulator (ZeRO stage 2).
 
-    Returns ``(shards, divisor)``: add the shards of all ``num_microbatches`` micro-batches in
-    fp32, then call :func:`finish_deferred` with ``divisor`` once. In the fp32 modes the shards
-    are unscaled fp32 sums (the mean is formed by one correctly rounded division at the end);
-    with a low-precision wire they are already scaled and ``divisor`` is 1.
+    Returns ``(shards, divisors)``, one divisor per bucket: add the shards of all
+    ``num_microbatches`` micro-batches in fp32, then call :func:`finish_deferred` with
+    ``divisors`` once. In the fp32 modes a bucket's shards are unscaled fp32 sums (the mean is
+    formed by one correctly rounded division at the end); with a low-precision wire they are
+    already scaled and its divisor is 1.
     """
     _check_count(buckets, layout, "reduce_microbatch_buckets")
     outs = [
         _reduce_one(x, b, layout, config, num_microbatches, deferred=True)
         for x, b in zip(buckets, layout.buckets, strict=True)
     ]
-    divisors = {d for _, d in outs}
-    divisor = max(divisors)
-    # Buckets of one layout share the mode, but a low-precision buffer next to an fp32 one
-    # (mixed param dtypes) returns 1 there: bring every bucket to the same convention.
-    shards = tuple(o if d == divisor else o.astype(jnp.float32) * divisor for o, d in outs)
-    return shards, divisor
+    return tuple(o for o, _ in outs), tuple(d for _, d in outs)
 
 
-def finish_deferred(acc: Sequence[jax.Array], divisor: int) -> tuple[jax.Array, ...]:
-    """Divide accumulated :func:`reduce_microbatch_buckets` shards by ``divisor`` (correctly
-    rounded), in their own dtype."""
-    return tuple(_divided(a, divisor, a.dtype) for a in acc)
+def finish_deferred(acc: Sequence[jax.Array], divisors: Sequence[int]) -> tuple[jax.Array, ...]:
+    """Divide each accumulated :func:`reduce_microbatch_buckets` shard by its divisor
+    (correctly rounded), in its own dtype."""
+    return tuple(_divided(a, d, a.dtype) for a, d in zip(acc, divisors, strict=True))
 
 
 def _check_count(buckets: Sequence[jax.Array], layout: BucketLayout, who: str) -> None:

@@ -189,3 +189,30 @@ def test_deterministic_reduction_matches_the_default_numerically():
     for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert abs(out[0][1] - out[1][1]) <= 1e-6 * abs(out[0][1])
+
+
+def test_stage2_mixed_dtypes_matches_stage1():
+    """Stage 2 with G > 1 on params of two dtypes: the fp32 buffer is divided once at the end
+    and the bf16 buffer is pre-scaled, each bucket by its own divisor; the update equals
+    stage 1's, which reduces the same accumulated gradients once."""
+    params = {
+        "w": jnp.asarray(np.random.default_rng(0).standard_normal((6, 4)) * 0.3, jnp.float32),
+        "b": jnp.zeros((4,), jnp.bfloat16),
+    }
+
+    def loss_fn(p, batch):
+        pred = batch["x"] @ p["w"] + p["b"].astype(jnp.float32)
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    batch = make_batch(48)
+    out = []
+    for stage in (1, 2):
+        cfg = DDPConfig(zero_stage=stage, num_microbatches=3, grad_reduce_in_fp32=True)
+        dp = DataParallel(loss_fn, optax.sgd(0.1), cfg)
+        state = dp.init(params)
+        state, _ = dp.step(state, dp.shard_batch(batch))
+        out.append(dp.params(state))
+    np.testing.assert_allclose(out[0]["w"], out[1]["w"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(
+        np.asarray(out[0]["b"], np.float32), np.asarray(out[1]["b"], np.float32)
+    )
