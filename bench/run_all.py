@@ -46,6 +46,7 @@ import bench_memory_gpu  # noqa: E402
 import bench_numerics  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_step  # noqa: E402
+import bench_zero3  # noqa: E402
 import jax  # noqa: E402
 from readings import comm_reading, compile_reading, numerics_reading, scaling_reading  # noqa: E402
 
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     compile_, _, t_compile = _run(lambda: bench_compile.main(quick=quick))
     scaling, _, t_scaling = _run(lambda: bench_scaling.main(quick=quick, plots=args.plots))
     fusion, _, t_fusion = _run(lambda: bench_fusion.run(quick=quick))
+    zero3, _, t_zero3 = _run(lambda: bench_zero3.main(quick=quick))
     scal_md = scaling["markdown"]
 
     layout_md = "\n".join(
@@ -358,7 +360,9 @@ and one bucket, the full fp32 accumulator and the per-micro-batch gradients coex
 
 {_section("9. Gradient-accumulation fusion", "bench_fusion", t_fusion, fusion["markdown"])}
 
-## 10. GPU (H100): not run
+{_section("10. ZeRO-3 against GSPMD FSDP", "bench_zero3", t_zero3, zero3["markdown"])}
+
+## 11. GPU (H100): not run
 
 {GPU_SECTION}
 """

@@ -16,7 +16,8 @@ SECTIONS = (
     "## 7. Compile time vs parameter leaves",
     "## 8. Scaling vs device count and model size",
     "## 9. Gradient-accumulation fusion",
-    "## 10. GPU (H100)",
+    "## 10. ZeRO-3 against GSPMD FSDP",
+    "## 11. GPU (H100)",
 )
 
 
