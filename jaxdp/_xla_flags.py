@@ -110,6 +110,11 @@ FLAG_TABLE: Final[tuple[FlagSpec, ...]] = (
         note="async collectives on a high-priority stream (default true)",
     ),
     FlagSpec("xla_gpu_enable_pipelined_reduce_scatter", (0, 4, 18), note="pipeline RS in loops"),
+    FlagSpec(
+        "xla_gpu_enable_pipelined_all_gather",
+        (0, 4, 18),
+        note="start a loop's next all-gather during this iteration (ZeRO-3 scanned layers)",
+    ),
     FlagSpec("xla_gpu_enable_reduce_scatter_combine_by_dim", (0, 4, 20)),
     FlagSpec("xla_gpu_enable_all_gather_combine_by_dim", (0, 4, 20)),
     FlagSpec("xla_gpu_disable_async_collectives", (0, 4, 27), kind="str", example="ALLREDUCE"),
@@ -283,6 +288,11 @@ def xla_compiler_options(
     # Pinned to their defaults: a future default change must not undo the buckets' overlap.
     opts["xla_gpu_enable_highest_priority_async_stream"] = True
     opts["xla_gpu_experimental_enable_heuristic_collective_combining"] = False
+    if config.zero_stage == 3:
+        # ZeRO-3 gathers a scanned layer's params inside the loop body; the collective
+        # pipeliner starts iteration i+1's gather during iteration i's GEMMs (checked on the
+        # compiled H100 program in tests/test_xla_flags.py: without it the gather is exposed).
+        opts["xla_gpu_enable_pipelined_all_gather"] = True
     return {k: v for k, v in opts.items() if _BY_NAME[k].available(version)}
 
 
@@ -317,7 +327,9 @@ def xla_flags(
     Returns ``--flag=value`` strings for ``XLA_FLAGS``: the all-reduce, reduce-scatter and
     all-gather combine thresholds of :func:`combine_thresholds`, the latency-hiding scheduler,
     and two defaults pinned (async collectives on the high-priority stream; XLA's heuristic
-    combining, which would override the thresholds, off). Only flags that ``jaxlib_version``
+    combining, which would override the thresholds, off); at ``zero_stage=3`` also XLA's
+    collective pipeliner for all-gathers in loops, so the next scanned layer's params are gathered
+    during this layer's compute. Only flags that ``jaxlib_version``
     accepts are emitted (``FLAG_TABLE``); an unknown flag in ``XLA_FLAGS`` aborts the process.
 
     Args:
