@@ -18,6 +18,7 @@ checkpoint from another model is refused with the name of the first parameter th
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -49,18 +50,66 @@ def _leaf_paths(tree: Any) -> list[str]:
 
 
 class _Slot:
-    def __init__(self, key_path: tuple[Any, ...], shape: tuple[int, ...], padded: int):
+    def __init__(
+        self,
+        key_path: tuple[Any, ...],
+        shape: tuple[int, ...],
+        padded: int,
+        view_shape: tuple[int, ...] | None = None,
+        convert: Any = None,
+    ):
         self.key_path, self.shape, self.padded = key_path, shape, padded
+        # Params split over other mesh axes: [blocks, padded] views and the plan's converters.
+        self.view_shape = (padded,) if view_shape is None else view_shape
+        self.convert = convert
+
+    def from_view(self, v: Any) -> Any:
+        if self.convert is not None:
+            return self.convert[1](v)
+        return v[: self.size].reshape(self.shape)
+
+    def to_view(self, x: Any) -> Any:
+        if self.convert is not None:
+            return self.convert[0](x)
+        flat = jnp.ravel(x)
+        return jnp.pad(flat, (0, self.padded - self.size)) if self.padded > self.size else flat
 
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-def _slot_keys(layout: BucketLayout) -> list[_Slot]:
+def _plan(engine: DataParallel) -> Any:
+    """The engine's plan when params are split over other mesh axes, else None (1-D path)."""
+    return engine._plan if engine._multi else None
+
+
+def _full_shapes(engine: DataParallel) -> list[tuple[int, ...]]:
+    plan = _plan(engine)
+    if plan is None:
+        return [s.shape for s in engine.layout.slots]
+    return [ls.shape for ls in plan.leaves]
+
+
+def _slot_keys(layout: BucketLayout, plan: Any = None) -> list[_Slot]:
     # The layout's treedef flattens in slot order; rebuild key paths from a dummy tree.
     dummy = jax.tree_util.tree_unflatten(layout.treedef, list(range(len(layout.slots))))
     kps = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    if plan is not None:
+        views = plan.view_shapes(layout)
+        return [
+            _Slot(
+                kp,
+                ls.shape,
+                (s.end - s.start) * layout.dp_size,
+                views[i],
+                (
+                    functools.partial(plan.leaf_to_view, i, layout),
+                    functools.partial(plan.leaf_from_view, i, layout),
+                ),
+            )
+            for i, (kp, s, ls) in enumerate(zip(kps, layout.slots, plan.leaves, strict=True))
+        ]
     return [
         _Slot(kp, s.shape, (s.end - s.start) * layout.dp_size)
         for kp, s in zip(kps, layout.slots, strict=True)
@@ -147,8 +196,11 @@ class CheckpointManager:
         master = state.master
         opt = state.opt_state
         if sharded:
-            opt = _opt_from_view(opt, state.master, layout)
-            master = layout.from_global_view(master)
+            plan = _plan(eng)
+            opt = _opt_from_view(opt, state.master, layout, plan)
+            master = (
+                plan.from_global_view(layout, master) if plan else layout.from_global_view(master)
+            )
         out: dict[str, Any] = {
             "step": state.step,
             "params": _as_dict(state.params),
@@ -160,7 +212,7 @@ class CheckpointManager:
 
     def _meta(self, canonical: Any, opt_paths: list[str]) -> dict[str, Any]:
         layout = self.engine.layout
-        slots = _slot_keys(layout)
+        slots = _slot_keys(layout, _plan(self.engine))
         return {
             "format": _FORMAT,
             "params": [
@@ -261,7 +313,7 @@ class CheckpointManager:
                 f"expected {_FORMAT}. Fix: restore it with the jaxdp version that wrote it."
             )
         saved = {p: (tuple(s), d) for p, s, d in meta["params"]}
-        slots = _slot_keys(layout)
+        slots = _slot_keys(layout, _plan(eng))
         want = {
             jax.tree_util.keystr(s.key_path): (tuple(s.shape), sl.dtype)
             for s, sl in zip(slots, layout.slots, strict=True)
@@ -287,7 +339,8 @@ class CheckpointManager:
                 "model the checkpoint was trained with, or train from scratch."
             )
         params = jax.tree_util.tree_unflatten(
-            layout.treedef, [jnp.zeros(s.shape, s.dtype) for s in layout.slots]
+            layout.treedef,
+            [jnp.zeros(sh, s.dtype) for sh, s in zip(_full_shapes(eng), layout.slots, strict=True)],
         )
         abstract = jax.eval_shape(eng._init_fn, params)
         canonical = jax.eval_shape(self._canonical_fn, abstract)
@@ -328,8 +381,12 @@ class CheckpointManager:
         opt_def = jax.tree_util.tree_structure(_canonical_opt_abstract(eng))
         opt = jax.tree_util.tree_unflatten(opt_def, list(c["opt_state"].values()))
         if eng.config.zero_stage >= 1:
-            master = layout.to_global_view(full_master, mdt)
-            opt = _opt_to_view(opt, abstract.opt_state, layout)
+            plan = _plan(eng)
+            if plan is None:
+                master = layout.to_global_view(full_master, mdt)
+            else:
+                master = plan.to_global_view(layout, full_master, mdt)
+            opt = _opt_to_view(opt, abstract.opt_state, layout, plan)
         elif abstract.master is None:
             master = None
         else:
@@ -350,7 +407,7 @@ def _canonical_opt_abstract(engine: DataParallel) -> Any:
     """The optimizer state's structure over param-shaped (not view-shaped) weights."""
     layout = engine.layout
     params = jax.tree_util.tree_unflatten(
-        layout.treedef, [jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in layout.slots]
+        layout.treedef, [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in _full_shapes(engine)]
     )
     return jax.eval_shape(engine.optimizer.init, params)
 
@@ -363,7 +420,7 @@ def _slot_for(path: tuple[Any, ...], slots: list[_Slot]) -> _Slot | None:
     return None
 
 
-def _opt_from_view(opt: Any, master_view: Any, layout: BucketLayout) -> Any:
+def _opt_from_view(opt: Any, master_view: Any, layout: BucketLayout, plan: Any = None) -> Any:
     """Optimizer state over the global view -> the same leaves in their parameters' shapes."""
     if layout.kind == "megatron":
         view_def = jax.tree_util.tree_structure(master_view)
@@ -377,18 +434,18 @@ def _opt_from_view(opt: Any, master_view: Any, layout: BucketLayout) -> Any:
         return jax.tree.map(
             lambda x: layout.from_global_view(x) if is_view(x) else x, opt, is_leaf=is_view
         )
-    slots = _slot_keys(layout)
+    slots = _slot_keys(layout, plan)
 
     def conv(path: tuple[Any, ...], x: Any) -> Any:
         s = _slot_for(path, slots)
-        if s is None or x.shape != (s.padded,):
+        if s is None or x.shape != s.view_shape:
             return x
-        return x[: s.size].reshape(s.shape)
+        return s.from_view(x)
 
     return jax.tree_util.tree_map_with_path(conv, opt)
 
 
-def _opt_to_view(opt: Any, view_opt: Any, layout: BucketLayout) -> Any:
+def _opt_to_view(opt: Any, view_opt: Any, layout: BucketLayout, plan: Any = None) -> Any:
     """Inverse of :func:`_opt_from_view`, given the engine's (abstract) view-shaped state."""
     if layout.kind == "megatron":
         dummy = jax.tree_util.tree_unflatten(
@@ -406,14 +463,13 @@ def _opt_to_view(opt: Any, view_opt: Any, layout: BucketLayout) -> Any:
         return jax.tree.map(
             lambda x: layout.to_global_view(x) if is_param(x) else x, opt, is_leaf=is_param
         )
-    slots = _slot_keys(layout)
+    slots = _slot_keys(layout, plan)
 
     def conv(path: tuple[Any, ...], x: Any, v: Any) -> Any:
         s = _slot_for(path, slots)
-        if s is None or v.shape != (s.padded,):
+        if s is None or v.shape != s.view_shape:
             return x
-        flat = jnp.ravel(x)
-        return jnp.pad(flat, (0, s.padded - s.size)) if s.padded > s.size else flat
+        return s.to_view(x)
 
     return jax.tree_util.tree_map_with_path(conv, opt, view_opt)
 

@@ -36,6 +36,7 @@ from ._layout import BucketLayout
 from ._local import local_gradients
 from ._mesh import auto_mesh, make_mesh
 from ._mesh import dp_size as _dp_size
+from ._multiaxis import check_mesh, gather, layout_for, local_step, read_plan, state_shardings
 from ._optim_check import check_optimizer
 from ._update import gather_params, optimizer_update
 
@@ -183,6 +184,7 @@ class DataParallel:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
+        check_mesh(mesh, config)
         self.mesh = auto_mesh(make_mesh(mesh, axis=config.data_axis))
         self.dp = _dp_size(self.mesh, config.data_axis)
         self.donate = donate
@@ -190,6 +192,7 @@ class DataParallel:
         self._batch_sig: Any = None
         self._step: _Step | None = None
         self._export: Any = None
+        self._plan: Any = None  # the params' shardings over the other mesh axes (_sharding.py)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -219,8 +222,13 @@ class DataParallel:
     def _master_dtype(self, layout: BucketLayout) -> Any:
         return jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
 
-    def _build_layout(self, params: Any) -> BucketLayout:
-        layout = BucketLayout.from_params(params, self.config, self.dp)
+    @property
+    def _multi(self) -> bool:  # some param is split over a non-data mesh axis
+        return self._plan is not None and not self._plan.trivial
+
+    def _build_layout(self, params: Any, param_specs: Any = None) -> BucketLayout:
+        plan = read_plan(params, self.mesh, self.config, param_specs, self._plan)
+        layout = layout_for(plan, params, self.config, self.dp)
         if self._layout is not None and self._layout != layout:
             raise ValueError(
                 "DataParallel.init: these params have a different structure, shapes or dtypes "
@@ -228,6 +236,7 @@ class DataParallel:
                 "for a different model."
             )
         check_optimizer(self.optimizer, layout, self._master_dtype(layout))
+        self._plan = plan
         return layout
 
     def _init_fn(self, params: Any) -> TrainState:
@@ -239,7 +248,11 @@ class DataParallel:
             layout.treedef, [jnp.asarray(x).astype(d) for x, d in zip(leaves, work_dt, strict=True)]
         )
         if self._sharded:
-            master = layout.to_global_view(params, mdt)
+            master = (
+                self._plan.to_global_view(layout, params, mdt)
+                if self._multi
+                else layout.to_global_view(params, mdt)
+            )
         elif all(d == mdt for d in work_dt):
             master = None
         else:
@@ -253,6 +266,8 @@ class DataParallel:
         )
 
     def _state_shardings(self, abstract: TrainState) -> TrainState:
+        if self._multi:
+            return state_shardings(self._plan, self.layout, abstract, self._sharded, TrainState)
         rep = self._sharding(P())
         if not self._sharded:
             return jax.tree.map(lambda _: rep, abstract)
@@ -264,12 +279,15 @@ class DataParallel:
             opt_state=jax.tree.map(lambda x: shard if x.ndim >= 1 else rep, abstract.opt_state),
         )
 
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Any, *, param_specs: Any = None) -> TrainState:
         """Build the layout and the sharded :class:`TrainState` from a full params pytree.
 
-        Works under ``jax.eval_shape`` (then nothing is allocated).
+        Works under ``jax.eval_shape`` (then nothing is allocated). On a multi-axis mesh each
+        param keeps the ``NamedSharding`` it carries over the non-data axes (tensor
+        parallelism), or the ``PartitionSpec`` given for it in ``param_specs`` (a pytree like
+        ``params``; needed under ``jax.eval_shape`` the first time, as tracers carry none).
         """
-        self._layout = self._build_layout(params)
+        self._layout = self._build_layout(params, param_specs)
         abstract = jax.eval_shape(self._init_fn, params)
         shardings = self._state_shardings(abstract)
         self._shardings = shardings
@@ -351,6 +369,11 @@ class DataParallel:
 
     def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         cfg, axis = self.config, self.config.data_axis
+        if self._multi:
+            grads, metrics = local_step(
+                self.loss_fn, self._plan, self.layout, cfg, state.params, batch
+            )
+            return self._finish(state, grads, metrics)
         local = jax.shard_map(
             functools.partial(
                 local_gradients, loss_fn=self.loss_fn, layout=self.layout, config=cfg
@@ -360,11 +383,17 @@ class DataParallel:
             out_specs=(P(axis) if self._sharded else P(), P()),
         )
         grads, metrics = local(state.params, batch)
+        return self._finish(state, grads, metrics)
+
+    def _finish(self, state: TrainState, grads: Any, metrics: dict[str, Any]) -> Any:
+        cfg = self.config
         target = state.params if state.master is None else state.master
         new_target, opt_state = optimizer_update(
             self.optimizer, grads, metrics["grad_norm"], state.opt_state, target, cfg
         )
-        if self._sharded:
+        if self._sharded and self._multi:
+            params, master = gather(new_target, self._plan, self.layout, cfg), new_target
+        elif self._sharded:
             params = gather_params(new_target, self.layout, cfg, self.mesh)
             master = new_target
         elif state.master is None:
@@ -395,7 +424,10 @@ class DataParallel:
 
     def _export_fn(self, master: Any) -> Any:
         layout = self.layout
-        full = layout.from_global_view(master) if self._sharded else master
+        if self._sharded and self._multi:
+            full = self._plan.from_global_view(layout, master)
+        else:
+            full = layout.from_global_view(master) if self._sharded else master
         leaves = jax.tree_util.tree_leaves(full)
         cast = [x.astype(s.dtype) for x, s in zip(leaves, layout.slots, strict=True)]
         return jax.tree_util.tree_unflatten(layout.treedef, cast)

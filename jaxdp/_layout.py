@@ -132,6 +132,8 @@ class Buffer:
         numel: padded elements.
         numel_unpadded: sum of its buckets' ``numel_unpadded``.
         buckets: indices into ``BucketLayout.buckets``.
+        shard_axes: mesh axes (other than the data axis) its parameters are split over; its
+            element counts are per block, i.e. per model-parallel rank (``()`` = replicated).
     """
 
     index: int
@@ -140,6 +142,7 @@ class Buffer:
     numel: int
     numel_unpadded: int
     buckets: tuple[int, ...]
+    shard_axes: tuple[str, ...] = ()
 
 
 def _leaf_info(path: str, leaf: Any) -> tuple[tuple[int, ...], str]:
@@ -201,7 +204,14 @@ class BucketLayout:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_params(cls, params: Any, config: DDPConfig, dp_size: int) -> BucketLayout:
+    def from_params(
+        cls,
+        params: Any,
+        config: DDPConfig,
+        dp_size: int,
+        *,
+        shard_axes: tuple[tuple[str, ...], ...] | None = None,
+    ) -> BucketLayout:
         """Lay out ``params`` (arrays or ``jax.ShapeDtypeStruct`` leaves) for ``dp_size`` ranks.
 
         Args:
@@ -211,6 +221,9 @@ class BucketLayout:
                 ``pad_buckets_for_high_nccl_busbw``, ``own_bucket_param_patterns`` and
                 ``bucket_layout``.
             dp_size: number of data-parallel ranks (>= 1).
+            shard_axes: per leaf, the non-data mesh axes it is split over (tensor
+                parallelism); ``params`` then holds the per-rank blocks and leaves with
+                different ``shard_axes`` go into different buffers. ``None``: all replicated.
         """
         if not isinstance(config, DDPConfig):
             raise TypeError(
@@ -235,6 +248,13 @@ class BucketLayout:
             kind = config.bucket_layout
         bucket_size = config.resolve_bucket_size(dp_size)
 
+        if shard_axes is None:
+            shard_axes = ((),) * len(leaves)
+        if len(shard_axes) != len(leaves):
+            raise ValueError(
+                f"BucketLayout.from_params: shard_axes has {len(shard_axes)} entries; expected "
+                f"{len(leaves)}, one per parameter leaf."
+            )
         infos = []  # (leaf_index, path, shape, leaf dtype, working dtype, grad dtype, own)
         for i, (kp, leaf) in enumerate(leaves):
             path = path_str(kp)
@@ -243,14 +263,14 @@ class BucketLayout:
             grad = "float32" if config.grad_reduce_in_fp32 else work
             infos.append((i, path, shape, dtype, work, grad, config.owns_bucket(path)))
 
-        groups: dict[tuple[str, str], list[Any]] = {}
+        groups: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
         for info in infos:
-            groups.setdefault((info[4], info[5]), []).append(info)
+            groups.setdefault((info[4], info[5], tuple(shard_axes[info[0]])), []).append(info)
 
         slots: list[ParamSlot | None] = [None] * len(infos)
         buffers: list[Buffer] = []
         buckets: list[Bucket] = []
-        for (work, grad), members in groups.items():
+        for (work, grad, axes), members in groups.items():
             bidx = len(buffers)
             first_bucket = len(buckets)
             placed, spans = _place(
@@ -293,6 +313,7 @@ class BucketLayout:
                     numel=sum(buckets[i].numel for i in own),
                     numel_unpadded=sum(buckets[i].numel_unpadded for i in own),
                     buckets=own,
+                    shard_axes=axes,
                 )
             )
         return cls(

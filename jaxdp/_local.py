@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from ._config import DDPConfig
 from ._layout import BucketLayout
-from ._reduce import finish_deferred, metric_sum, reduce_buckets, reduce_microbatch_buckets
+from ._nested import PlainOps
+from ._reduce import finish_deferred, metric_sum
 from .nn._fusion import fused_value_and_grad
 
 __all__ = ["local_gradients", "loss_parts"]
@@ -66,6 +67,7 @@ def local_gradients(
     loss_fn: Callable[..., Any],
     layout: BucketLayout,
     config: DDPConfig,
+    ops: PlainOps | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Per-device body of the step: reduced gradients and metrics (call inside ``shard_map``).
 
@@ -75,6 +77,8 @@ def local_gradients(
         loss_fn: the user's loss (see :func:`loss_parts`).
         layout: the bucket layout of ``params``.
         config: the :class:`DDPConfig`.
+        ops: the bucket operations (:mod:`jaxdp._nested`): ``None`` for whole params;
+            ``NestedOps`` when params are split over other mesh axes.
 
     Returns:
         ``(grads, metrics)``: the reduced fp32 gradients, full and params-shaped at stage 0,
@@ -84,6 +88,7 @@ def local_gradients(
     cfg = config
     axis, g, dp = cfg.data_axis, cfg.num_microbatches, layout.dp_size
     sharded = cfg.zero_stage >= 1
+    ops = PlainOps(layout, cfg) if ops is None else ops
 
     def parts(p: Any, mb: Any) -> tuple[jax.Array, tuple[Any, Any]]:
         return loss_parts(loss_fn, cfg, p, mb)
@@ -106,9 +111,9 @@ def local_gradients(
     def micro(carry: Any, mb: Any) -> tuple[Any, None]:
         acc, loss, ntok, ok, aux_sum = carry
         (lval, (nt, aux)), grads = grad_fn(wv, mb)
-        flat = layout.pack(grads, dtype=acc_dt)
+        flat = ops.pack(grads, acc_dt)
         if stage2:
-            red, divisors = reduce_microbatch_buckets(flat, layout, cfg, num_microbatches=g)
+            red, divisors = ops.reduce_microbatch(flat, g)
             stage2_divisors.append(divisors)  # static ints, the same at every trace
             acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
         else:
@@ -120,7 +125,7 @@ def local_gradients(
         return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum), None
 
     numel = (lambda b: b.shard_numel) if stage2 else (lambda b: b.numel)
-    acc0 = tuple(jnp.zeros((numel(b),), acc_dt) for b in layout.buckets)
+    acc0 = ops.zeros([numel(b) for b in layout.buckets], acc_dt)
     mb0 = jax.tree.map(lambda x: x[0], mbs)
     aux_shape = jax.eval_shape(lambda: parts(wv, mb0)[1][1])  # forward only
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
@@ -140,7 +145,7 @@ def local_gradients(
     if stage2:  # one correctly rounded division of the accumulated sums
         red = finish_deferred(acc, stage2_divisors[-1])
     else:
-        red = reduce_buckets(acc, layout, cfg, num_microbatches=g)
+        red = ops.reduce(acc, g)
     red = tuple(r.astype(jnp.float32) for r in red)
     metrics: dict[str, Any] = {}
     if cfg.calculate_per_token_loss:
@@ -159,5 +164,5 @@ def local_gradients(
     metrics["grad_norm"] = jnp.sqrt(sq)
     if cfg.check_for_nan_in_grad:
         metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)
-    grads = layout.shard_view(red) if sharded else layout.unpack(red)
+    grads = ops.out(red, sharded)
     return grads, metrics
