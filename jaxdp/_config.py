@@ -128,7 +128,20 @@ class DDPConfig:
         gradient_accumulation_fusion: Compute the weight gradients of :mod:`jaxdp.nn` layers as
             ``dot(x, dy, preferred_element_type=float32)`` from low-precision operands, added
             into the fp32 accumulator without a bf16 rounding (Megatron's
-            ``wgrad_gemm_accum_fp32``). Other layers are unaffected.
+            ``wgrad_gemm_accum_fp32``). Other layers are unaffected. Not supported with
+            ``zero_stage=3`` yet (the gathered params are not leaves the fusion can upcast).
+        overlap_param_gather: Megatron's field. Keep the working params sharded between steps
+            (``TrainState.params`` is the layout's shard view in ``param_dtype``) and gather them
+            bucket by bucket at the *start* of the next step, before the forward pass, instead
+            of after the optimizer update: XLA's scheduler can then run bucket ``k+1``'s
+            all-gather under the forward compute of bucket ``k``, and between steps a rank holds
+            ``1/dp`` of the working params. The gathered params are kept for all micro-batches
+            (one gather per bucket per step). Needs a distributed optimizer (``zero_stage >=
+            1``); ``zero_stage=3`` implies it (params are always sharded and gathered at use).
+            Default ``False``: measured on 8 compile-only H100s, the end-of-step gathers of
+            stage 1-2 already overlap the optimizer update of the next buckets, and gathering
+            in the forward pass saves the ``(dp-1)/dp`` working params between steps but keeps
+            the gathered copy alive through the backward (see BENCHMARKS.md / the aot tests).
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -156,6 +169,7 @@ class DDPConfig:
     own_bucket_param_patterns: tuple[str, ...] = ()
     bucket_layout: Literal["interleaved", "megatron"] = "interleaved"
     gradient_accumulation_fusion: bool = False
+    overlap_param_gather: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -204,6 +218,7 @@ class DDPConfig:
             "check_for_nan_in_grad",
             "calculate_per_token_loss",
             "gradient_accumulation_fusion",
+            "overlap_param_gather",
         ):
             _check_bool(name, getattr(self, name))
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -315,6 +330,24 @@ class DDPConfig:
                     "low-precision gradients, but grad_reduce_in_fp32=True already reduces in fp32",
                     "keep only one of grad_reduce_in_fp32 / reduce_scatter_with_fp32_accumulation",
                 )
+        if self.overlap_param_gather and self.zero_stage == 0:
+            raise _err(
+                "overlap_param_gather",
+                True,
+                "a distributed optimizer (zero_stage >= 1): with zero_stage=0 the params are "
+                "replicated and never gathered (Megatron asserts the same)",
+                "set zero_stage=1 or 2 (zero_stage=3 implies it), or overlap_param_gather=False",
+            )
+        if self.gradient_accumulation_fusion and self.zero_stage == 3:
+            raise _err(
+                "gradient_accumulation_fusion",
+                True,
+                "zero_stage <= 2: at zero_stage=3 the params reach loss_fn through a per-bucket "
+                "gather whose transpose is the reduce-scatter, and the fused fp32 weight "
+                "gradients are not supported through it yet",
+                "use zero_stage=2 with gradient_accumulation_fusion=True, or drop the fusion at "
+                "zero_stage=3",
+            )
         if self.calculate_per_token_loss and self.average_in_collective:
             raise _err(
                 "calculate_per_token_loss",
@@ -336,6 +369,12 @@ class DDPConfig:
     def use_distributed_optimizer(self) -> bool:
         """Megatron's name for ``zero_stage >= 1``."""
         return self.zero_stage >= 1
+
+    @property
+    def shards_params(self) -> bool:
+        """Whether the working params are sharded between steps (``zero_stage=3`` or
+        ``overlap_param_gather``)."""
+        return self.zero_stage == 3 or self.overlap_param_gather
 
     def resolve_bucket_size(self, dp_size: int) -> int | None:
         """The bucket size in elements for ``dp_size`` ranks (``None`` = one bucket per buffer).
