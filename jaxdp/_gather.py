@@ -19,11 +19,12 @@ working params (``TrainState.params`` when ``config.shards_params``):
   :data:`GATHERED`) or what layout primitives derive from them, so the backward pass gathers
   every bucket again instead of keeping the full params alive as residuals.
 
-Hook for scanned layer stacks: :func:`make_bucket_gather` works on any 1-D shard whose full value
-is its tiled ``all_gather`` (an interleaved-layout bucket, or the ``[dp, k]``-row piece of one
-layer of a stacked parameter) and returns the full 1-D value; a transform that gathers one layer
-per ``lax.scan`` iteration can call it on the per-layer slice of the shard and pass the per-layer
-slice of ``acc``/``flags``, tagging the result with :data:`GATHERED`.
+Hook for scanned layer stacks: :func:`sharded_gather` takes any 1-D shard whose full value is its
+tiled ``all_gather`` (a bucket shard, or rank ``r``'s piece of one layer of a stacked parameter)
+and a ``reduce`` for its transpose. A transform that gathers one layer per ``lax.scan`` iteration
+calls it on the per-layer slice of the shard with the per-layer slices of ``acc``/``flags`` and a
+``reduce`` built like :func:`make_bucket_gather`'s (``_reduce_one`` on the layer's slice), and
+tags the result with :data:`GATHERED` so :func:`not_gathered_policy` does not save it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "gather_full",
     "make_bucket_gather",
     "not_gathered_policy",
+    "sharded_gather",
     "zero3_value_and_grad",
 ]
 
@@ -111,27 +113,36 @@ def not_gathered_policy(prim: Any, *_: Any, **params: Any) -> bool:
     return prim.name not in _LAYOUT_PRIMITIVES
 
 
-def make_bucket_gather(
-    b: Bucket,
-    layout: BucketLayout,
-    config: DDPConfig,
-    *,
-    num_microbatches: int,
-    deferred: bool,
-    divisors: list[int],
+def sharded_gather(
+    axis: str,
+    reduce: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
 ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """The ZeRO-3 gather of bucket ``b``: ``gather(shard, acc, flags) -> full`` (inside
-    ``shard_map``).
+    """``gather(shard, acc, flags) -> all_gather(shard)`` whose transpose is ``reduce``.
 
-    Forward: ``all_gather(shard)`` (tiled, wire dtype = the working dtype). Backward: the local
-    gradient of the full bucket is cast to ``config.main_grads_dtype`` and reduce-scattered as
-    stage 2 does (``deferred``: unscaled fp32 sums for a micro-batch accumulator, whose divisor
-    is appended to ``divisors`` at trace time; else the final mean). Cotangents: zero for
-    ``shard``, the reduced shard (``main_grads_dtype``) for ``acc``, non-finite flags for
-    ``flags`` (``float32[len(b.slots)]``). Nothing but shapes is saved for the backward.
+    The building block of ZeRO-3 (call inside ``shard_map`` over ``axis``). ``shard`` is a 1-D
+    array whose full value is its tiled ``all_gather`` (a bucket shard of the interleaved or
+    megatron layout, or a per-layer slice of one); ``acc`` and ``flags`` are zeros the caller
+    differentiates with respect to. In the backward pass ``reduce(ct)`` receives the local
+    gradient of the full value and returns ``(reduced_shard, nonfinite_flags)``, which become the
+    cotangents of ``acc`` and ``flags`` (so they must match their shapes and dtypes); the
+    cotangent of ``shard`` is zero. Nothing but shapes is saved for the backward pass.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from jaxdp import make_mesh
+        >>> mesh = make_mesh()
+        >>> def red(ct):  # the local gradient of the full value -> (shard, flags)
+        ...     flags = jax.lax.pcast(jnp.zeros((1,)), "data", to="varying")
+        ...     return jax.lax.psum_scatter(ct, "data", tiled=True), flags
+        >>> gather = sharded_gather("data", red)
+        >>> def body(shard, acc, flags):
+        ...     return jax.grad(lambda a: jnp.sum(gather(shard, a, flags) ** 2))(acc)
+        >>> n = jax.device_count()
+        >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        >>> f(jnp.ones(2 * n), jnp.zeros(2 * n), jnp.zeros(n)).tolist() == [2.0 * n] * (2 * n)
+        True
     """
-    axis = config.data_axis
-    acc_dt = jnp.dtype(config.main_grads_dtype)
 
     @jax.custom_vjp
     def gather(shard: jax.Array, acc: jax.Array, flags: jax.Array) -> jax.Array:
@@ -142,16 +153,47 @@ def make_bucket_gather(
         return gather(shard, acc, flags), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        red, div = _reduce_one(ct.astype(acc_dt), b, layout, config, num_microbatches, deferred)
-        divisors.append(div)  # a static int, the same at every trace
-        zero = jax.lax.pcast(jnp.zeros((b.shard_numel,), b.dtype), axis, to="varying")
-        bad = _nonfinite(ct, b, layout) if config.check_for_nan_in_grad else None
-        if bad is None:
-            bad = jax.lax.pcast(jnp.zeros((len(b.slots),), jnp.float32), axis, to="varying")
-        return zero, red.astype(acc_dt), bad
+        red, bad = reduce(ct)
+        # the shard's shape and dtype follow from the full value's (a tiled gather)
+        n = ct.shape[0] // jax.lax.axis_size(axis)
+        zero = jax.lax.pcast(jnp.zeros((n,), ct.dtype), axis, to="varying")
+        return zero, red, bad
 
     gather.defvjp(fwd, bwd)
     return gather
+
+
+def make_bucket_gather(
+    b: Bucket,
+    layout: BucketLayout,
+    config: DDPConfig,
+    *,
+    num_microbatches: int,
+    deferred: bool,
+    divisors: list[int],
+) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """The ZeRO-3 gather of bucket ``b``: :func:`sharded_gather` with stage 2's reduction.
+
+    Forward: ``all_gather(shard)`` (tiled, wire dtype = the working dtype). Backward: the local
+    gradient of the full bucket is cast to ``config.main_grads_dtype`` and reduce-scattered as
+    stage 2 does (``deferred``: unscaled fp32 sums for a micro-batch accumulator, whose divisor
+    is appended to ``divisors`` at trace time; else the final mean). Cotangents: zero for
+    ``shard``, the reduced shard (``main_grads_dtype[b.shard_numel]``) for ``acc``, non-finite
+    flags for ``flags`` (``float32[len(b.slots)]``).
+    """
+    axis = config.data_axis
+    acc_dt = jnp.dtype(config.main_grads_dtype)
+
+    def reduce(ct: jax.Array) -> tuple[jax.Array, jax.Array]:
+        red, div = _reduce_one(ct.astype(acc_dt), b, layout, config, num_microbatches, deferred)
+        divisors.append(div)  # a static int, the same at every trace
+        if config.check_for_nan_in_grad:
+            bad = _nonfinite(ct, b, layout)
+        else:
+            bad = jax.lax.pcast(jnp.zeros((len(b.slots),), jnp.float32), axis, to="varying")
+        return red.astype(acc_dt), bad
+
+    return sharded_gather(axis, reduce)
 
 
 def zero3_value_and_grad(
