@@ -201,9 +201,12 @@ class CheckpointManager:
             master = (
                 plan.from_global_view(layout, master) if plan else layout.from_global_view(master)
             )
+        params = state.params
+        if eng.config.shards_params:  # stage 3 / overlap_param_gather: the shard view
+            params = layout.from_global_view(params)
         out: dict[str, Any] = {
             "step": state.step,
-            "params": _as_dict(state.params),
+            "params": _as_dict(params),
             "opt_state": _as_dict(opt),
         }
         if master is not None:
@@ -392,6 +395,8 @@ class CheckpointManager:
         else:
             master = jax.tree.map(lambda x: x.astype(mdt), full_master)
         opt = jax.tree.map(lambda x, a: x.astype(a.dtype), opt, abstract.opt_state)
+        if eng.config.shards_params:
+            params = layout.to_global_view(params)
         return TrainState(step=c["step"], params=params, master=master, opt_state=opt)
 
 

@@ -1,4 +1,4 @@
-"""``DataParallel``: a jitted training step with bucketed gradient reduction and ZeRO 0-2.
+"""``DataParallel``: a jitted training step with bucketed gradient reduction and ZeRO 0-3.
 
 One step, all in one XLA program:
 
@@ -12,7 +12,9 @@ One step, all in one XLA program:
    ``1/dp`` of the accumulator memory).
 2. Global-norm clipping (fp32 norm over all shards) and the optax update, on sharded arrays
    (stages >= 1: rank ``r`` updates its shard of the fp32 master weights and optimizer state).
-3. Stages >= 1: one all-gather per bucket rebuilds the working params in ``param_dtype``.
+3. Stages 1-2: one all-gather per bucket rebuilds the working params in ``param_dtype``.
+   Stage 3 and ``overlap_param_gather`` keep them sharded instead (the cast of the new master
+   shards) and gather them inside the next step (:mod:`jaxdp._gather`).
 
 This module is the facade: state, shardings, batch checks and the jitted step. The per-device
 half (1.) is :mod:`jaxdp._local`, the global half (2., 3.) :mod:`jaxdp._update`.
@@ -38,6 +40,7 @@ from ._mesh import auto_mesh, make_mesh
 from ._mesh import dp_size as _dp_size
 from ._multiaxis import check_mesh, gather, layout_for, local_step, read_plan, state_shardings
 from ._optim_check import check_optimizer
+from ._step import _batch_signature, _Step
 from ._update import gather_params, optimizer_update
 
 __all__ = ["DataParallel", "TrainState"]
@@ -48,7 +51,13 @@ class TrainState(NamedTuple):
 
     Attributes:
         step: number of completed steps (int32 scalar, replicated).
-        params: working params in ``param_dtype``, replicated (what the forward pass uses).
+        params: working params in ``param_dtype``. Replicated params-shaped tree at stages 0-2
+            (what the forward pass uses). With ``zero_stage=3`` or ``overlap_param_gather``
+            they are sharded like ``master``: the layout's shard view (interleaved: one 1-D
+            leaf per parameter, flattened and zero-padded to a multiple of dp; megatron: one
+            array per bucket), cast to ``param_dtype`` and sharded ``P(data_axis)``, so each
+            rank holds ``1/dp`` of them between steps; the step gathers them bucket by bucket.
+            Always the cast of ``master`` to the working dtype.
         master: fp32 master weights. ``None`` at stage 0 when the params are already fp32;
             replicated params-shaped tree at stage 0; at stages >= 1 the layout's sharded view
             (interleaved: each parameter flattened and zero-padded to a multiple of dp,
@@ -61,67 +70,6 @@ class TrainState(NamedTuple):
     params: Any
     master: Any
     opt_state: Any
-
-
-def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
-    out = []
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        # Read shape/dtype from the array itself: np.asarray would copy a device array to the
-        # host on every step, and fails for arrays that span other processes' devices.
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            leaf = np.asarray(leaf)
-        shape = tuple(leaf.shape)
-        dtype = np.dtype(leaf.dtype).name
-        out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
-    return out
-
-
-def _with_sharding(x: Any, sharding: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    return x
-
-
-class _Step:
-    """The jitted step plus the host-side checks (batch validation, NaN report)."""
-
-    def __init__(self, engine: DataParallel, jitted: Any):
-        self._engine = engine
-        self._jitted = jitted
-
-    def lower(self, state: TrainState, batch: Any) -> Any:
-        """``jax.jit(...).lower`` of the step, for inspection and AOT compilation.
-
-        ``state`` and ``batch`` may be abstract (``jax.eval_shape(dp.init, params)`` and
-        ``jax.ShapeDtypeStruct`` batches): leaves without a sharding get the engine's own, so
-        the program (donation, memory analysis) is the one ``step`` runs.
-        """
-        eng = self._engine
-        eng._check_batch(batch)
-        state = jax.tree.map(_with_sharding, state, eng._shardings)
-        batch_sharding = eng._sharding(P(eng.config.data_axis))
-        batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
-        return self._jitted.lower(state, batch)
-
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        eng = self._engine
-        eng._check_batch(batch)
-        new_state, metrics = self._jitted(state, batch)
-        if eng.config.check_for_nan_in_grad:
-            bad = np.asarray(metrics.pop("nonfinite_ranks"))
-            if bad.any():
-                paths = [eng.layout.slots[i].path for i in np.flatnonzero(bad)]
-                err = FloatingPointError(
-                    f"DataParallel.step: NaN or Inf in the local gradients of {paths} at step "
-                    f"{int(np.asarray(new_state.step))} (on {int(bad.max())} of {eng.dp} "
-                    "ranks), found before the reduction. "
-                    "The update was skipped; the last good state is in this exception's "
-                    "`.state` attribute (the input state was donated)."
-                )
-                err.state = new_state  # type: ignore[attr-defined]
-                err.paths = paths  # type: ignore[attr-defined]
-                raise err
-        return new_state, metrics
 
 
 class DataParallel:
@@ -174,12 +122,6 @@ class DataParallel:
             raise TypeError(
                 f"DataParallel: config is a {type(config).__name__}; expected a jaxdp.DDPConfig. "
                 "Fix: config=DDPConfig(...) or DDPConfig.from_yaml(path)."
-            )
-        if config.zero_stage == 3:
-            raise NotImplementedError(
-                "DataParallel: zero_stage=3 (sharded params) is not implemented yet; expected "
-                "zero_stage in {0, 1, 2}. Fix: use zero_stage=2 for sharded optimizer state and "
-                "gradients."
             )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -235,6 +177,15 @@ class DataParallel:
                 "than the ones this engine was initialised with. Fix: build a new DataParallel "
                 "for a different model."
             )
+        if not plan.trivial and self.config.shards_params:
+            raise NotImplementedError(
+                "DataParallel.init: params split over the mesh axes "
+                f"{list(plan.auto_axes)} (tensor parallelism) "
+                f"with zero_stage={self.config.zero_stage}, overlap_param_gather="
+                f"{self.config.overlap_param_gather} keep their working params sharded over the "
+                "data axis too, which is not supported on a multi-axis mesh yet; expected "
+                "zero_stage <= 2 without overlap_param_gather. Fix: use zero_stage=1 or 2."
+            )
         check_optimizer(self.optimizer, layout, self._master_dtype(layout))
         self._plan = plan
         return layout
@@ -247,6 +198,8 @@ class DataParallel:
         work = jax.tree_util.tree_unflatten(
             layout.treedef, [jnp.asarray(x).astype(d) for x, d in zip(leaves, work_dt, strict=True)]
         )
+        if self.config.shards_params:
+            work = layout.to_global_view(work)  # already in the working dtypes
         if self._sharded:
             master = (
                 self._plan.to_global_view(layout, params, mdt)
@@ -274,7 +227,9 @@ class DataParallel:
         shard = self._sharding(P(self.config.data_axis))
         return TrainState(
             step=rep,  # type: ignore[arg-type]
-            params=jax.tree.map(lambda _: rep, abstract.params),
+            params=jax.tree.map(
+                lambda _: shard if self.config.shards_params else rep, abstract.params
+            ),
             master=jax.tree.map(lambda _: shard, abstract.master),
             opt_state=jax.tree.map(lambda x: shard if x.ndim >= 1 else rep, abstract.opt_state),
         )
@@ -379,7 +334,7 @@ class DataParallel:
                 local_gradients, loss_fn=self.loss_fn, layout=self.layout, config=cfg
             ),
             mesh=self.mesh,
-            in_specs=(P(), P(axis)),
+            in_specs=(P(axis) if cfg.shards_params else P(), P(axis)),
             out_specs=(P(axis) if self._sharded else P(), P()),
         )
         grads, metrics = local(state.params, batch)
@@ -393,6 +348,9 @@ class DataParallel:
         )
         if self._sharded and self._multi:
             params, master = gather(new_target, self._plan, self.layout, cfg), new_target
+        elif cfg.shards_params:  # the next step gathers them: just cast the new master shards
+            params = jax.tree.map(lambda m, p: m.astype(p.dtype), new_target, state.params)
+            master = new_target
         elif self._sharded:
             params = gather_params(new_target, self.layout, cfg, self.mesh)
             master = new_target

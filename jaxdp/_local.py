@@ -8,7 +8,10 @@ Runs inside ``jax.shard_map`` over the data axis (manual over that axis):
    ``lax.scan`` with no communication; the last micro-batch is peeled out of the scan so that
    its backward pass and the bucket collectives form one straight-line region XLA can overlap;
 3. one collective per bucket (:mod:`jaxdp._reduce`). Stage 2 with ``G > 1`` reduce-scatters
-   every micro-batch into a sharded accumulator instead and divides once at the end;
+   every micro-batch into a sharded accumulator instead and divides once at the end. Stage 3
+   receives the params as shards and differentiates through the per-bucket gathers of
+   :mod:`jaxdp._gather`, whose transpose is that same reduce-scatter (every micro-batch);
+   with ``overlap_param_gather`` (stages 1-2) the shards are gathered once, up front;
 4. the metrics: mean loss (or per-token loss), aux outputs, the global fp32 gradient norm and,
    with ``check_for_nan_in_grad``, the number of ranks that saw a non-finite gradient per
    parameter.
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ._config import DDPConfig
+from ._gather import gather_full, zero3_value_and_grad
 from ._layout import BucketLayout
 from ._nested import PlainOps
 from ._reduce import finish_deferred, metric_sum
@@ -72,7 +76,8 @@ def local_gradients(
     """Per-device body of the step: reduced gradients and metrics (call inside ``shard_map``).
 
     Args:
-        params: the replicated working params.
+        params: the replicated working params; with ``config.shards_params`` (stage 3,
+            ``overlap_param_gather``) this rank's shard view of them instead.
         batch: this rank's slice of the global batch (``G`` micro-batches along axis 0).
         loss_fn: the user's loss (see :func:`loss_parts`).
         layout: the bucket layout of ``params``.
@@ -88,52 +93,85 @@ def local_gradients(
     cfg = config
     axis, g, dp = cfg.data_axis, cfg.num_microbatches, layout.dp_size
     sharded = cfg.zero_stage >= 1
+    zero3 = cfg.zero_stage == 3
     ops = PlainOps(layout, cfg) if ops is None else ops
 
     def parts(p: Any, mb: Any) -> tuple[jax.Array, tuple[Any, Any]]:
         return loss_parts(loss_fn, cfg, p, mb)
 
-    # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
-    # then yields per-device partial gradients and inserts no psum per use.
-    wv = jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
     mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
-    grad_fn = jax.value_and_grad(parts, has_aux=True)
-    if cfg.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
-        mb_ex = jax.tree.map(lambda x: x[0], mbs)
-        wv, grad_fn = fused_value_and_grad(parts, wv, mb_ex, has_aux=True)
+    mb0 = jax.tree.map(lambda x: x[0], mbs)
     acc_dt = jnp.dtype(cfg.main_grads_dtype)
-    stage2 = cfg.zero_stage == 2 and g > 1
-    stage2_divisors: list[tuple[int, ...]] = []
+    # Stage 2 (G > 1) and stage 3 reduce-scatter every micro-batch into a sharded accumulator.
+    deferred = (cfg.zero_stage == 2 and g > 1) or zero3
+    divisors: list[tuple[int, ...]] = []
 
     def finite_flags(grads: Any) -> jax.Array:
         return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
 
+    def varying(x: Any) -> Any:
+        return jax.tree.map(lambda v: jax.lax.pcast(v, axis, to="varying"), x)
+
+    if zero3:
+        # params: this rank's shard view; every micro-batch gathers (and re-gathers in its
+        # backward) each bucket, and the gather's transpose reduce-scatters its gradient.
+        shards = layout.shard_unview(params)
+        z3_vg, z3_divisors = zero3_value_and_grad(parts, layout, cfg, num_microbatches=g)
+        accs0 = varying(tuple(jnp.zeros((b.shard_numel,), acc_dt) for b in layout.buckets))
+        flags0 = varying(tuple(jnp.zeros((len(b.slots),), jnp.float32) for b in layout.buckets))
+        slot_pos = [(bi, j) for bi, b in enumerate(layout.buckets) for j, _ in enumerate(b.slots)]
+        slot_ids = [i for b in layout.buckets for i in b.slots]
+        order = sorted(range(len(slot_ids)), key=lambda k: slot_ids[k])
+
+        def forward(mb: Any) -> Any:  # only traced for shapes (eval_shape)
+            full = tuple(jax.lax.all_gather(s, axis, tiled=True) for s in shards)
+            return parts(layout.unpack(full), mb)
+    else:
+        if cfg.shards_params:  # overlap_param_gather: gather once, before the forward pass
+            params = gather_full(params, layout, axis)
+        # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
+        # then yields per-device partial gradients and inserts no psum per use.
+        wv = varying(params)
+        grad_fn = jax.value_and_grad(parts, has_aux=True)
+        if cfg.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
+            wv, grad_fn = fused_value_and_grad(parts, wv, mb0, has_aux=True)
+
+        def forward(mb: Any) -> Any:
+            return parts(wv, mb)
+
     def micro(carry: Any, mb: Any) -> tuple[Any, None]:
         acc, loss, ntok, ok, aux_sum = carry
-        (lval, (nt, aux)), grads = grad_fn(wv, mb)
-        flat = ops.pack(grads, acc_dt)
-        if stage2:
-            red, divisors = ops.reduce_microbatch(flat, g)
-            stage2_divisors.append(divisors)  # static ints, the same at every trace
+        if zero3:
+            (lval, (nt, aux)), (red, bad) = z3_vg(accs0, flags0, shards, mb)
+            divisors.append(tuple(z3_divisors[-len(layout.buckets) :]))
             acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
+            if cfg.check_for_nan_in_grad:
+                flat_bad = jnp.stack([bad[bi][j] for bi, j in slot_pos])[jnp.asarray(order)]
+                ok = ok & (flat_bad == 0)
         else:
-            acc = tuple(a + f for a, f in zip(acc, flat, strict=True))
-        if cfg.check_for_nan_in_grad:
-            ok = ok & finite_flags(grads)
+            (lval, (nt, aux)), grads = grad_fn(wv, mb)
+            flat = ops.pack(grads, acc_dt)
+            if deferred:
+                red, divs = ops.reduce_microbatch(flat, g)
+                divisors.append(divs)  # static ints, the same at every trace
+                acc = tuple(a + r.astype(acc_dt) for a, r in zip(acc, red, strict=True))
+            else:
+                acc = tuple(a + f for a, f in zip(acc, flat, strict=True))
+            if cfg.check_for_nan_in_grad:
+                ok = ok & finite_flags(grads)
         if aux is not None:
             aux_sum = jax.tree.map(lambda s, a: s + jnp.asarray(a, jnp.float32), aux_sum, aux)
         return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum), None
 
-    numel = (lambda b: b.shard_numel) if stage2 else (lambda b: b.numel)
+    numel = (lambda b: b.shard_numel) if deferred else (lambda b: b.numel)
     acc0 = ops.zeros([numel(b) for b in layout.buckets], acc_dt)
-    mb0 = jax.tree.map(lambda x: x[0], mbs)
-    aux_shape = jax.eval_shape(lambda: parts(wv, mb0)[1][1])  # forward only
+    aux_shape = jax.eval_shape(lambda: forward(mb0)[1][1])  # forward only
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
     ok0 = jnp.ones((len(layout.slots),), bool)
     zero = jnp.zeros((), jnp.float32)
     carry = (acc0, zero, zero, ok0, aux0)
     # The scan carry must be varying like the per-device gradients it accumulates.
-    carry = jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), carry)
+    carry = varying(carry)
     if g > 1:
         head = jax.tree.map(lambda x: x[:-1], mbs)
         carry, _ = jax.lax.scan(micro, carry, head)
@@ -142,8 +180,8 @@ def local_gradients(
     last = jax.tree.map(lambda x: x[-1], mbs)
     (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
 
-    if stage2:  # one correctly rounded division of the accumulated sums
-        red = finish_deferred(acc, stage2_divisors[-1])
+    if deferred:  # one correctly rounded division of the accumulated sums
+        red = finish_deferred(acc, divisors[-1])
     else:
         red = ops.reduce(acc, g)
     red = tuple(r.astype(jnp.float32) for r in red)

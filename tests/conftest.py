@@ -17,4 +17,4 @@ def pytest_report_header(config):
 
 
 # Helper scripts run as subprocesses, not test modules (--doctest-modules would import them).
-collect_ignore = ["mp", "_models.py", "_fp32_property.py", "_gpt_nn.py"]
+collect_ignore = ["mp", "_models.py", "_fp32_property.py", "_gpt_nn.py", "_transformer.py"]

@@ -41,6 +41,7 @@ BAD_VALUES = [
     ("own_bucket_param_patterns", ("ok", 3), TypeError, "non-empty pattern strings only"),
     ("bucket_layout", "ring", ValueError, "one of ('interleaved', 'megatron')"),
     ("gradient_accumulation_fusion", "yes", TypeError, "a bool"),
+    ("overlap_param_gather", 1, TypeError, "a bool"),
 ]
 
 
@@ -97,6 +98,16 @@ def test_every_field_has_a_bad_value_test():
             "pad_buckets_for_high_nccl_busbw",
             "zero_stage >= 1",
         ),
+        (
+            {"overlap_param_gather": True},
+            "overlap_param_gather",
+            "a distributed optimizer (zero_stage >= 1)",
+        ),
+        (
+            {"gradient_accumulation_fusion": True, "zero_stage": 3},
+            "gradient_accumulation_fusion",
+            "zero_stage <= 2",
+        ),
     ],
 )
 def test_invalid_combinations(kwargs, field, fragment):
@@ -121,6 +132,18 @@ def test_valid_megatron_variant_and_normalisation():
     assert hash(cfg) == hash(
         DDPConfig(**cfg.to_dict() | {"own_bucket_param_patterns": ("*embed*",)})
     )
+
+
+def test_overlap_param_gather_message_and_stage3():
+    with pytest.raises(ValueError) as info:
+        DDPConfig(overlap_param_gather=True)
+    msg = str(info.value)
+    assert msg.startswith("DDPConfig.overlap_param_gather: got True")
+    assert "zero_stage=1" in msg and "Fix:" in msg
+    assert not DDPConfig(zero_stage=2).shards_params
+    assert DDPConfig(zero_stage=1, overlap_param_gather=True).shards_params
+    assert DDPConfig(zero_stage=3).shards_params  # implied at stage 3
+    assert DDPConfig(zero_stage=3, overlap_param_gather=True).to_dict()["overlap_param_gather"]
 
 
 def test_bucket_size_resolution():
@@ -150,6 +173,7 @@ def test_yaml_round_trip(tmp_path):
         num_microbatches=4,
         param_dtype="bfloat16",
         own_bucket_param_patterns=("*embedding*",),
+        overlap_param_gather=True,
     )
     path = tmp_path / "c.yaml"
     cfg.to_yaml(path)

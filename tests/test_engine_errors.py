@@ -21,8 +21,13 @@ def test_constructor_errors():
         DataParallel(mse_loss, "adam", DDPConfig())
     with pytest.raises(TypeError, match=r"expected a jaxdp\.DDPConfig"):
         DataParallel(mse_loss, optax.sgd(0.1), {"zero_stage": 1})
-    with pytest.raises(NotImplementedError, match="zero_stage=3"):
-        DataParallel(mse_loss, optax.sgd(0.1), DDPConfig(zero_stage=3))
+    DataParallel(mse_loss, optax.sgd(0.1), DDPConfig(zero_stage=3))  # implemented
+    with pytest.raises(ValueError, match=r"gradient_accumulation_fusion.*zero_stage <= 2"):
+        DataParallel(
+            mse_loss,
+            optax.sgd(0.1),
+            DDPConfig(zero_stage=3, gradient_accumulation_fusion=True),
+        )
     with pytest.raises(ValueError, match="expected one named 'batch'"):
         DataParallel(
             mse_loss,

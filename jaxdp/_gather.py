@@ -1,0 +1,239 @@
+"""The parameter side: per-bucket gathers of sharded working params, and their transpose.
+
+Two uses, both inside ``jax.shard_map`` over the data axis, on the local shard view of the
+working params (``TrainState.params`` when ``config.shards_params``):
+
+* :func:`gather_full` (``overlap_param_gather`` at stages 1-2): one plain ``all_gather`` per
+  bucket at the start of the step, *outside* the differentiated function, so the gathered params
+  serve every micro-batch and XLA can overlap bucket ``k+1``'s gather with the forward of the
+  layers in bucket ``k``.
+* :func:`make_bucket_gather` (ZeRO-3): a ``custom_vjp`` gather whose transpose is the bucket's
+  gradient reduce-scatter in the configured precision (:func:`jaxdp._reduce._reduce_one`, the
+  same numerics as stage 2). The primal is bf16 (the working dtype) but the reduced gradient
+  must be fp32, so the gather takes two extra zero inputs, ``acc`` (the fp32 shard) and ``flags``
+  (one per parameter of the bucket), and the step differentiates with respect to *those*: the
+  cotangent of ``acc`` is this rank's reduced fp32 shard, the cotangent of ``flags`` counts
+  non-finite local gradients (``check_for_nan_in_grad``), the cotangent of the shard is zero.
+  :func:`zero3_value_and_grad` wraps the user's loss in ``jax.checkpoint`` with a policy
+  (:func:`not_gathered_policy`) that refuses to save the gathered values (named
+  :data:`GATHERED`) or what layout primitives derive from them, so the backward pass gathers
+  every bucket again instead of keeping the full params alive as residuals.
+
+Hook for scanned layer stacks: :func:`sharded_gather` takes any 1-D shard whose full value is its
+tiled ``all_gather`` (a bucket shard, or rank ``r``'s piece of one layer of a stacked parameter)
+and a ``reduce`` for its transpose. A transform that gathers one layer per ``lax.scan`` iteration
+calls it on the per-layer slice of the shard with the per-layer slices of ``acc``/``flags`` and a
+``reduce`` built like :func:`make_bucket_gather`'s (``_reduce_one`` on the layer's slice), and
+tags the result with :data:`GATHERED` so :func:`not_gathered_policy` does not save it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from ._config import DDPConfig
+from ._layout import Bucket, BucketLayout
+from ._reduce import _reduce_one
+
+__all__ = [
+    "GATHERED",
+    "gather_full",
+    "make_bucket_gather",
+    "not_gathered_policy",
+    "sharded_gather",
+    "zero3_value_and_grad",
+]
+
+#: ``checkpoint_name`` of the gathered params at stage 3 (never saved as a residual).
+GATHERED = "jaxdp_gathered_params"
+
+
+def gather_full(view: Any, layout: BucketLayout, axis: str) -> Any:
+    """Local shard view -> the full working params, one ``all_gather`` per bucket.
+
+    The result is typed as identical on every rank (``to="invarying"``), like replicated params.
+    """
+    shards = layout.shard_unview(view)  # each bucket in its working dtype
+    full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
+    return layout.unpack(full)
+
+
+def _nonfinite(ct: jax.Array, b: Bucket, layout: BucketLayout) -> jax.Array:
+    """1.0 per parameter of bucket ``b`` whose slice of the local gradient ``ct`` is not finite."""
+    if layout.kind == "interleaved":
+        mat = ct.reshape(layout.dp_size, b.numel // layout.dp_size)
+        parts = [
+            mat[:, layout.slots[i].start - b.start : layout.slots[i].end - b.start] for i in b.slots
+        ]
+    else:
+        parts = [
+            ct[layout.slots[i].start - b.start : layout.slots[i].end - b.start] for i in b.slots
+        ]
+    return jnp.stack([(~jnp.all(jnp.isfinite(p))).astype(jnp.float32) for p in parts])
+
+
+# Primitives that only move, cast or replicate data. Their outputs are never saved for the
+# backward pass: with a "save anything" policy the unpacked params (slices and reshapes of a
+# gathered bucket), their casts and transposes would otherwise be kept alive as residuals
+# although the gathered bucket itself is not; refusing them makes JAX save their (cheap to
+# re-derive) inputs instead, and for the params that input is the shard, so the backward pass
+# gathers again. Activations are unaffected: the producer of a reshaped activation is saved.
+_LAYOUT_PRIMITIVES = frozenset(
+    {
+        "all_gather",
+        "broadcast_in_dim",
+        "concatenate",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "dynamic_slice",
+        "pad",
+        "reduce_precision",
+        "reshape",
+        "slice",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+    }
+)
+
+
+def not_gathered_policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy of stage 3: save every intermediate except the gathered params
+    (named :data:`GATHERED`) and anything a layout primitive derives from them."""
+    if prim.name == "name":
+        return bool(params.get("name") != GATHERED)
+    return prim.name not in _LAYOUT_PRIMITIVES
+
+
+def sharded_gather(
+    axis: str,
+    reduce: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """``gather(shard, acc, flags) -> all_gather(shard)`` whose transpose is ``reduce``.
+
+    The building block of ZeRO-3 (call inside ``shard_map`` over ``axis``). ``shard`` is a 1-D
+    array whose full value is its tiled ``all_gather`` (a bucket shard of the interleaved or
+    megatron layout, or a per-layer slice of one); ``acc`` and ``flags`` are zeros the caller
+    differentiates with respect to. In the backward pass ``reduce(ct)`` receives the local
+    gradient of the full value and returns ``(reduced_shard, nonfinite_flags)``, which become the
+    cotangents of ``acc`` and ``flags`` (so they must match their shapes and dtypes); the
+    cotangent of ``shard`` is zero. Nothing but shapes is saved for the backward pass.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from jaxdp import make_mesh
+        >>> mesh = make_mesh()
+        >>> def red(ct):  # the local gradient of the full value -> (shard, flags)
+        ...     flags = jax.lax.pcast(jnp.zeros((1,)), "data", to="varying")
+        ...     return jax.lax.psum_scatter(ct, "data", tiled=True), flags
+        >>> gather = sharded_gather("data", red)
+        >>> def body(shard, acc, flags):
+        ...     return jax.grad(lambda a: jnp.sum(gather(shard, a, flags) ** 2))(acc)
+        >>> n = jax.device_count()
+        >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        >>> f(jnp.ones(2 * n), jnp.zeros(2 * n), jnp.zeros(n)).tolist() == [2.0 * n] * (2 * n)
+        True
+    """
+
+    @jax.custom_vjp
+    def gather(shard: jax.Array, acc: jax.Array, flags: jax.Array) -> jax.Array:
+        del acc, flags
+        return jax.lax.all_gather(shard, axis, tiled=True)
+
+    def fwd(shard: jax.Array, acc: jax.Array, flags: jax.Array) -> tuple[jax.Array, None]:
+        return gather(shard, acc, flags), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        red, bad = reduce(ct)
+        # the shard's shape and dtype follow from the full value's (a tiled gather)
+        n = ct.shape[0] // jax.lax.axis_size(axis)
+        zero = jax.lax.pcast(jnp.zeros((n,), ct.dtype), axis, to="varying")
+        return zero, red, bad
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def make_bucket_gather(
+    b: Bucket,
+    layout: BucketLayout,
+    config: DDPConfig,
+    *,
+    num_microbatches: int,
+    deferred: bool,
+    divisors: list[int],
+) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """The ZeRO-3 gather of bucket ``b``: :func:`sharded_gather` with stage 2's reduction.
+
+    Forward: ``all_gather(shard)`` (tiled, wire dtype = the working dtype). Backward: the local
+    gradient of the full bucket is cast to ``config.main_grads_dtype`` and reduce-scattered as
+    stage 2 does (``deferred``: unscaled fp32 sums for a micro-batch accumulator, whose divisor
+    is appended to ``divisors`` at trace time; else the final mean). Cotangents: zero for
+    ``shard``, the reduced shard (``main_grads_dtype[b.shard_numel]``) for ``acc``, non-finite
+    flags for ``flags`` (``float32[len(b.slots)]``).
+    """
+    axis = config.data_axis
+    acc_dt = jnp.dtype(config.main_grads_dtype)
+
+    def reduce(ct: jax.Array) -> tuple[jax.Array, jax.Array]:
+        red, div = _reduce_one(ct.astype(acc_dt), b, layout, config, num_microbatches, deferred)
+        divisors.append(div)  # a static int, the same at every trace
+        if config.check_for_nan_in_grad:
+            bad = _nonfinite(ct, b, layout)
+        else:
+            bad = jax.lax.pcast(jnp.zeros((len(b.slots),), jnp.float32), axis, to="varying")
+        return red.astype(acc_dt), bad
+
+    return sharded_gather(axis, reduce)
+
+
+def zero3_value_and_grad(
+    parts: Callable[[Any, Any], Any],
+    layout: BucketLayout,
+    config: DDPConfig,
+    *,
+    num_microbatches: int,
+) -> tuple[Callable[..., Any], list[int]]:
+    """Value-and-grad of ``parts(params, mb)`` for params held as local bucket shards.
+
+    Returns ``(vg, divisors)``: ``vg(shards, accs, flags, mb) -> ((loss, aux), (d_accs,
+    d_flags))`` where ``shards`` are this rank's bucket shards (working dtype), ``accs`` and
+    ``flags`` zeros per bucket (``main_grads_dtype[shard_numel]``, ``float32[len(slots)]``);
+    ``d_accs`` are the reduced gradient shards and ``d_flags`` the non-finite flags. With
+    ``num_microbatches > 1`` the reductions are deferred (unscaled sums, as at stage 2):
+    :func:`jaxdp._reduce.finish_deferred` with ``divisors[-len(layout.buckets):]`` ends them.
+    """
+    divisors: list[int] = []
+    gathers = [
+        make_bucket_gather(
+            b,
+            layout,
+            config,
+            num_microbatches=num_microbatches,
+            deferred=num_microbatches > 1,
+            divisors=divisors,
+        )
+        for b in layout.buckets
+    ]
+
+    def loss(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:
+        # Gather in forward order (bucket 0 holds the output end of the model, so the last
+        # bucket's layers run first): the program order XLA's scheduler starts from.
+        full = [None] * len(gathers)
+        for i in reversed(range(len(gathers))):
+            full[i] = checkpoint_name(gathers[i](shards[i], accs[i], flags[i]), GATHERED)
+        return parts(layout.unpack(tuple(full)), mb)
+
+    vg = jax.value_and_grad(
+        jax.checkpoint(loss, policy=not_gathered_policy), argnums=(0, 1), has_aux=True
+    )
+    return vg, divisors

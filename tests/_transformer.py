@@ -1,0 +1,69 @@
+"""A tiny unrolled flax linen transformer (plain linen layers, 4 blocks) for the ZeRO-3 tests."""
+
+from __future__ import annotations
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+VOCAB, SEQ, WIDTH, HEADS, LAYERS = 16, 8, 16, 2, 4
+
+
+class Block(linen.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    @linen.compact
+    def __call__(self, x):
+        h = linen.LayerNorm(dtype=self.dtype, param_dtype=self.dtype, name="ln1")(x)
+        qkv = linen.DenseGeneral(
+            (3, HEADS, WIDTH // HEADS), dtype=self.dtype, param_dtype=self.dtype, name="qkv"
+        )(h)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(WIDTH // HEADS)
+        mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        att = jax.nn.softmax(jnp.where(mask, att, -1e9)).astype(self.dtype)
+        o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+        o = linen.DenseGeneral(
+            WIDTH, axis=(-2, -1), dtype=self.dtype, param_dtype=self.dtype, name="proj"
+        )(o)
+        x = x + o
+        h = linen.LayerNorm(dtype=self.dtype, param_dtype=self.dtype, name="ln2")(x)
+        h = linen.Dense(2 * WIDTH, dtype=self.dtype, param_dtype=self.dtype, name="fc")(h)
+        return x + linen.Dense(WIDTH, dtype=self.dtype, param_dtype=self.dtype, name="out")(
+            jax.nn.gelu(h)
+        )
+
+
+class Transformer(linen.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    @linen.compact
+    def __call__(self, tokens):
+        x = linen.Embed(VOCAB, WIDTH, dtype=self.dtype, param_dtype=self.dtype, name="wte")(tokens)
+        for i in range(LAYERS):  # unrolled: one set of params per block
+            x = Block(self.dtype, name=f"block{i}")(x)
+        x = linen.LayerNorm(dtype=self.dtype, param_dtype=self.dtype, name="ln_f")(x)
+        return linen.Dense(VOCAB, dtype=self.dtype, param_dtype=self.dtype, name="head")(x)
+
+
+def transformer_params(seed: int = 0):
+    return Transformer().init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))["params"]
+
+
+def transformer_loss(params, batch):
+    """Mean next-token NLL; computes in the params' dtype (bf16 params -> bf16 activations)."""
+    dtype = jax.tree.leaves(params)[0].dtype
+    logits = Transformer(dtype).apply({"params": params}, batch["tokens"]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
+
+
+def transformer_batches(n: int, steps: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        t = rng.integers(0, VOCAB, size=(n, SEQ + 1)).astype(np.int32)
+        t[:, 1:] = np.where(rng.random((n, SEQ)) < 0.5, (t[:, :-1] + 1) % VOCAB, t[:, 1:])
+        out.append({"tokens": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])})
+    return out

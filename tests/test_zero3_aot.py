@@ -1,0 +1,110 @@
+"""The compiled ZeRO-3 / overlap_param_gather schedule on 8 compile-only H100s.
+
+Skips without the ``gpu-aot`` extra, like test_aot.py. An 8-layer bf16 MLP in 4 buckets: at
+stage 3 each bucket is all-gathered twice (forward, and again in the backward instead of being
+kept as a residual) and reduce-scattered once; with ``overlap_param_gather`` stage 1's gathers
+move from after the optimizer update into the forward pass.
+"""
+
+import importlib.util
+
+import optax
+import pytest
+
+from jaxdp import DataParallel, DDPConfig
+from jaxdp.aot import compile_step, example_mlp, gradient_collectives, h100_mesh, schedule_report
+
+HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+WIDTH, LAYERS = 256, 8
+BUCKET = 2 * WIDTH * (WIDTH + 1)  # two layers per bucket: 4 buckets
+MODES = {
+    "bf16": ({}, "reduce-scatter", "bf16"),
+    "fp32": ({"grad_reduce_in_fp32": True}, "reduce-scatter", "f32"),
+    "megatron": ({"reduce_scatter_with_fp32_accumulation": True}, "all-to-all", "bf16"),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if not HAVE_PLUGIN:
+        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
+    try:
+        return h100_mesh(8)
+    except RuntimeError as e:  # e.g. a plugin/jaxlib version mismatch
+        pytest.skip(f"no compile-only H100 topology: {e}")
+
+
+def compiled(mesh, stage, g=1, mode="bf16", **extra):
+    loss_fn, params, batch = example_mlp(LAYERS, WIDTH, batch=64)
+    cfg = DDPConfig(
+        zero_stage=stage,
+        bucket_size=BUCKET,
+        param_dtype="bfloat16",
+        num_microbatches=g,
+        **MODES[mode][0],
+        **extra,
+    )
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
+    report = schedule_report(compile_step(dp, params, batch))
+    assert len(dp.layout.buckets) == 4
+    return dp, report
+
+
+def param_gathers(report, dp, entry=True):
+    numels = {b.numel for b in dp.layout.buckets}
+    return sorted(
+        (
+            c
+            for c in report.of_kind("all-gather")
+            if c.entry == entry and c.elements in numels and c.operands == 1
+        ),
+        key=lambda c: c.start_index,
+    )
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_stage3_gathers_twice_and_reduces_once_per_bucket(mesh, mode):
+    dp, report = compiled(mesh, 3, mode=mode)
+    n = len(dp.layout.buckets)
+    _, kind, wire = MODES[mode]
+    ags = param_gathers(report, dp)
+    assert len(ags) == 2 * n, report  # forward + the backward's re-gather, none combined
+    assert all(c.is_async and c.dtype == "bf16" for c in ags), report
+    grads = gradient_collectives(report, dp)
+    assert len(grads) == n and all(c.kind == kind and c.dtype == wire for c in grads), report
+    forward, backward = ags[:n], ags[n:]
+    # the forward gathers are issued before the first gradient collective, the re-gathers after
+    # the forward (in the backward pass), and each bucket's gradient leaves through one
+    # collective overlapped with the backward except the last
+    assert max(c.done_index for c in forward) < min(c.start_index for c in grads), report
+    assert min(c.start_index for c in backward) > forward[-1].done_index, report
+    for c in forward[1:]:
+        assert c.compute_between >= 1, report
+    for c in grads[:-1]:
+        assert c.compute_between >= 1 and c.backward_between >= 1, report
+    assert not [c for c in report.collectives if not c.entry], report  # G = 1: no loop
+
+
+def test_stage3_microbatches_gather_in_the_loop_too(mesh):
+    dp, report = compiled(mesh, 3, g=4)
+    n = len(dp.layout.buckets)
+    # micro-batches 1..G-1 in the scan, the last one peeled out: each has its own gathers
+    # and reduce-scatters into the sharded fp32 accumulator
+    assert len(param_gathers(report, dp, entry=True)) == 2 * n, report
+    assert len(param_gathers(report, dp, entry=False)) == 2 * n, report
+    loop_grads = [c for c in gradient_collectives(report, dp, entry_only=False) if not c.entry]
+    assert len(gradient_collectives(report, dp)) == n and len(loop_grads) == n, report
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_param_gather_moves_the_gathers_into_the_forward(mesh, overlap):
+    dp, report = compiled(mesh, 1, overlap_param_gather=overlap)
+    n = len(dp.layout.buckets)
+    ags, grads = param_gathers(report, dp), gradient_collectives(report, dp)
+    assert len(ags) == n and len(grads) == n, report
+    first_grad = min(c.start_index for c in grads)
+    last_grad = max(c.done_index for c in grads)
+    if overlap:  # before the backward pass: in the forward, once per step
+        assert all(c.done_index < first_grad for c in ags), report
+    else:  # after the reduce-scatters and the optimizer update
+        assert all(c.start_index > last_grad for c in ags), report
