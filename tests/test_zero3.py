@@ -146,11 +146,21 @@ def test_stage3_non_power_of_two_mesh(ndev, mode):
     _check_parity("mlp", mode, dp, state, norms)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp32-wire", "fp32-accum"])
-def test_stage3_bitwise_equals_stage2(mode):
-    """Same numerics as stage 2 (deferred fp32 division, cast before arithmetic)."""
-    _, s3, n3 = _run("mlp", 3, 4, mode, "several")
-    _, s2, n2 = _run("mlp", 2, 4, mode, "several")
+@pytest.mark.parametrize(
+    ("mode", "layout"),
+    [
+        ("bf16", "interleaved"),
+        ("fp32-wire", "interleaved"),
+        ("fp32-accum", "interleaved"),
+        ("fp32-accum", "megatron"),
+    ],
+)
+def test_stage3_bitwise_equals_stage2(mode, layout):
+    """Same numerics as stage 2 (deferred fp32 division, cast before arithmetic), in both
+    bucket layouts."""
+    extra = {} if layout == "interleaved" else {"bucket_layout": layout}  # reuse cached runs
+    _, s3, n3 = _run("mlp", 3, 4, mode, "several", **extra)
+    _, s2, n2 = _run("mlp", 2, 4, mode, "several", **extra)
     assert n3 == n2
     for a, b in zip(jax.tree.leaves(s3.master), jax.tree.leaves(s2.master), strict=True):
         np.testing.assert_array_equal(a, b)

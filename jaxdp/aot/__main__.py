@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
         "ops XLA scheduled between its start and its done.",
     )
     p.add_argument("--config", help="DDPConfig YAML file; the options below override it")
-    p.add_argument("--stage", type=int, choices=(0, 1, 2), help="ZeRO stage (default 1)")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
     p.add_argument("--bucket-size", type=int, help="elements per bucket (default: two layers)")
     p.add_argument("--microbatches", type=int, help="num_microbatches (default 1)")
     p.add_argument("--param-dtype", help="working param dtype (default bfloat16)")
@@ -34,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="reduce_scatter_with_fp32_accumulation (bf16 all-to-all + fp32 sum)",
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        default=None,
+        help="overlap_param_gather (stages 1-2: gather the params in the forward pass)",
     )
     p.add_argument("--gpus", type=int, default=8, help="H100s on the host (default 8)")
     p.add_argument("--layers", type=int, default=8, help="MLP depth (default 8)")
@@ -66,6 +72,7 @@ def _config(args: argparse.Namespace) -> Any:
         ("param_dtype", args.param_dtype),
         ("grad_reduce_in_fp32", args.grad_reduce_in_fp32),
         ("reduce_scatter_with_fp32_accumulation", args.fp32_accumulation),
+        ("overlap_param_gather", args.overlap_param_gather),
     ):
         if value is not None:
             changes[field] = value

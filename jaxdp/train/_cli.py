@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="devices to use; on a machine without accelerators, the number of simulated CPU "
         "devices per process (default 8 on one process)",
     )
-    p.add_argument("--zero-stage", type=int, help="DDPConfig.zero_stage (0, 1 or 2)")
+    p.add_argument("--zero-stage", type=int, help="DDPConfig.zero_stage (0, 1, 2 or 3)")
     p.add_argument("--global-batch", type=int, help="sequences per step over all ranks")
     p.add_argument("--micro-batch", type=int, help="sequences per pass per rank")
     p.add_argument(
