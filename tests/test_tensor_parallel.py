@@ -268,3 +268,21 @@ def test_checkpoint_restores_across_tp_and_1d_meshes(tmp_path, batches):
             assert restored.params["mlp"]["up"].sharding.spec == P(None, "model")
         restored, _ = dst.step(restored, dst.shard_batch(batches[2]))
         assert max_rel_err(dst.params(restored), expect) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_layouts_of_replicated_params_are_unchanged(stage):
+    """Checkpoints and jit caches compare layouts: whole params lay out exactly as before,
+    whether the mesh is 1-D or has other axes."""
+    cfg = DDPConfig(zero_stage=stage, bucket_size=300)
+    base = jaxdp.BucketLayout.from_params(tp_params(), cfg, 4)
+    same = jaxdp.BucketLayout.from_params(tp_params(), cfg, 4, shard_axes=((),) * 9)
+    assert same == base and hash(same) == hash(base)
+    assert all(b.shard_axes == () for b in base.buffers)
+    dp = DataParallel(tp_loss, optax.sgd(0.1), cfg, mesh=tp_mesh(4, 2))
+    dp.init(tp_params())
+    assert dp.layout == base
+    split = DataParallel(tp_loss, optax.sgd(0.1), cfg, mesh=tp_mesh(4, 2))
+    split.init(tp_params(), param_specs=SPECS)
+    assert split.layout != base
+    assert {b.shard_axes for b in split.layout.buffers} == {(), ("model",)}
