@@ -146,6 +146,17 @@ class DDPConfig:
             ``G = 4`` the gathered params stay live through the micro-batch loop next to their
             unpacked copies and the total grows (stage 1: 8.35 -> 9.79, stage 2: 6.27 -> 6.79
             bytes/param). Turn it on for ``G = 1``.
+        expert_axis: Mesh axis that experts are distributed over (expert parallelism), or
+            ``None``. The dense data-parallel group then spans ``data_axis`` and this axis (the
+            batch is split over both); expert params (split over this axis, or matched by
+            ``expert_param_patterns``) get buffers of their own and are reduced over
+            ``data_axis`` only, the expert-data-parallel group, with Megatron's gradient
+            scaling (the expert factor ``expt_dp / dp`` under ``average_in_collective``).
+            Needs ``zero_stage=0`` for now.
+        expert_param_patterns: ``fnmatch`` patterns over parameter paths of expert params,
+            e.g. ``("*/experts/*",)``; a matching param without a sharding over
+            ``expert_axis`` is split over it on its first (expert) dimension. Params already
+            split over ``expert_axis`` are expert params whether or not they match.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -174,6 +185,8 @@ class DDPConfig:
     bucket_layout: Literal["interleaved", "megatron"] = "interleaved"
     gradient_accumulation_fusion: bool = False
     overlap_param_gather: bool = False
+    expert_axis: str | None = None
+    expert_param_patterns: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -301,6 +314,43 @@ class DDPConfig:
                 )
         object.__setattr__(self, "own_bucket_param_patterns", tuple(pats))
 
+        ea = self.expert_axis
+        if ea is not None and (not isinstance(ea, str) or not ea):
+            raise _err(
+                "expert_axis",
+                ea,
+                "None or the non-empty str name of the mesh axis experts are split over",
+                "pass e.g. expert_axis='expert'",
+                TypeError if not isinstance(ea, str) else ValueError,
+            )
+        if ea is not None and ea == self.data_axis:
+            raise _err(
+                "expert_axis",
+                ea,
+                f"a mesh axis other than data_axis={self.data_axis!r} (experts are replicated "
+                "over data_axis, their expert-data-parallel group)",
+                "name the expert axis of the mesh, e.g. expert_axis='expert'",
+            )
+        epats = self.expert_param_patterns
+        if isinstance(epats, str) or not isinstance(epats, (tuple, list)):
+            raise _err(
+                "expert_param_patterns",
+                epats,
+                "a tuple of fnmatch pattern strings over parameter paths",
+                "wrap a single pattern in a tuple, e.g. ('*/experts/*',)",
+                TypeError,
+            )
+        for p in epats:
+            if not isinstance(p, str) or not p:
+                raise _err(
+                    "expert_param_patterns",
+                    epats,
+                    "non-empty pattern strings only",
+                    f"remove or fix the entry {p!r}",
+                    TypeError,
+                )
+        object.__setattr__(self, "expert_param_patterns", tuple(epats))
+
         if self.bucket_layout not in _LAYOUTS:
             raise _err(
                 "bucket_layout",
@@ -360,6 +410,13 @@ class DDPConfig:
                 "would divide by dp as well (Megatron rejects this combination)",
                 "set average_in_collective=False",
             )
+        if self.expert_param_patterns and self.expert_axis is None:
+            raise _err(
+                "expert_param_patterns",
+                self.expert_param_patterns,
+                "an expert_axis to split the matching params over",
+                "set expert_axis='expert' (the mesh axis of expert parallelism)",
+            )
         if self.pad_buckets_for_high_nccl_busbw and self.zero_stage == 0:
             raise _err(
                 "pad_buckets_for_high_nccl_busbw",
@@ -392,6 +449,10 @@ class DDPConfig:
             return default_bucket_size(dp_size)
         return int(self.bucket_size)
 
+    def is_expert_path(self, path: str) -> bool:
+        """Whether the parameter at ``path`` matches ``expert_param_patterns``."""
+        return any(fnmatch.fnmatchcase(path, p) for p in self.expert_param_patterns)
+
     def owns_bucket(self, path: str) -> bool:
         """Whether the parameter at ``path`` matches ``own_bucket_param_patterns``."""
         return any(fnmatch.fnmatchcase(path, p) for p in self.own_bucket_param_patterns)
@@ -405,6 +466,7 @@ class DDPConfig:
         """Plain-Python dict of every field (tuples become lists)."""
         out = dataclasses.asdict(self)
         out["own_bucket_param_patterns"] = list(self.own_bucket_param_patterns)
+        out["expert_param_patterns"] = list(self.expert_param_patterns)
         return out
 
     @classmethod
@@ -427,8 +489,9 @@ class DDPConfig:
                 f"{names}. Fix: rename or remove them."
             )
         kwargs = dict(data)
-        if isinstance(kwargs.get("own_bucket_param_patterns"), list):
-            kwargs["own_bucket_param_patterns"] = tuple(kwargs["own_bucket_param_patterns"])
+        for key in ("own_bucket_param_patterns", "expert_param_patterns"):
+            if isinstance(kwargs.get(key), list):
+                kwargs[key] = tuple(kwargs[key])
         return cls(**kwargs)
 
     @classmethod

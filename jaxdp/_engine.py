@@ -37,8 +37,16 @@ from ._config import DDPConfig
 from ._layout import BucketLayout
 from ._local import local_gradients
 from ._mesh import auto_mesh, make_mesh
-from ._mesh import dp_size as _dp_size
-from ._multiaxis import check_mesh, gather, layout_for, local_step, read_plan, state_shardings
+from ._multiaxis import (
+    batch_spec,
+    check_mesh,
+    dense_dp,
+    gather,
+    layout_for,
+    local_step,
+    read_plan,
+    state_shardings,
+)
 from ._optim_check import check_optimizer
 from ._step import _batch_signature, _Step
 from ._update import gather_params, optimizer_update
@@ -82,7 +90,9 @@ class DataParallel:
         optimizer: an ``optax.GradientTransformation``.
         config: a :class:`DDPConfig`.
         mesh: a mesh with ``config.data_axis`` (default: :func:`make_mesh` over all devices);
-            its axes are used as ``Auto`` axes (see :func:`jaxdp._mesh.auto_mesh`).
+            its axes are used as ``Auto`` axes (see :func:`jaxdp._mesh.auto_mesh`). Params
+            keep their shardings over its other axes (tensor parallelism, README "With
+            tensor / expert parallelism"); see ``DDPConfig.expert_axis`` for experts.
         donate: donate the input state to the step (saves a copy of params and optimizer
             state; the input state is unusable afterwards).
 
@@ -128,7 +138,7 @@ class DataParallel:
         self.config = config
         check_mesh(mesh, config)
         self.mesh = auto_mesh(make_mesh(mesh, axis=config.data_axis))
-        self.dp = _dp_size(self.mesh, config.data_axis)
+        self.dp = dense_dp(self.mesh, config)  # |data| (x |expert| with expert parallelism)
         self.donate = donate
         self._layout: BucketLayout | None = None
         self._batch_sig: Any = None
@@ -165,7 +175,7 @@ class DataParallel:
         return jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
 
     @property
-    def _multi(self) -> bool:  # some param is split over a non-data mesh axis
+    def _multi(self) -> bool:  # params split over a non-data axis, or an expert axis
         return self._plan is not None and not self._plan.trivial
 
     def _build_layout(self, params: Any, param_specs: Any = None) -> BucketLayout:
@@ -256,7 +266,7 @@ class DataParallel:
         slice and the global batch is their concatenation in process order.
         """
         self._check_batch(batch, local=True)
-        sharding = self._sharding(P(self.config.data_axis))
+        sharding = self._sharding(batch_spec(self.config))
         if jax.process_count() == 1:
             return jax.device_put(batch, sharding)
         return jax.tree.map(
@@ -324,7 +334,7 @@ class DataParallel:
 
     def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         cfg, axis = self.config, self.config.data_axis
-        if self._multi:
+        if self._multi:  # params split over other mesh axes, or experts (_multiaxis.py)
             grads, metrics = local_step(
                 self.loss_fn, self._plan, self.layout, cfg, state.params, batch
             )

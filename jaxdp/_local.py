@@ -131,7 +131,7 @@ def local_gradients(
             params = gather_full(params, layout, axis)
         # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
         # then yields per-device partial gradients and inserts no psum per use.
-        wv = varying(params)
+        wv = ops.varying(params, axis)
         grad_fn = jax.value_and_grad(parts, has_aux=True)
         if cfg.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
             wv, grad_fn = fused_value_and_grad(parts, wv, mb0, has_aux=True)
@@ -196,10 +196,7 @@ def local_gradients(
         metrics["loss"] = metric_sum(loss / g, cfg) / dp
     if aux_sum is not None and jax.tree.leaves(aux_sum):
         metrics["aux"] = jax.tree.map(lambda a: metric_sum(a / g, cfg) / dp, aux_sum)
-    sq = jnp.sum(jnp.stack([jnp.sum(jnp.square(r)) for r in red]))
-    if sharded:
-        sq = metric_sum(sq, cfg)
-    metrics["grad_norm"] = jnp.sqrt(sq)
+    metrics["grad_norm"] = jnp.sqrt(ops.square_norm(red, sharded))
     if cfg.check_for_nan_in_grad:
         metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)
     grads = ops.out(red, sharded)

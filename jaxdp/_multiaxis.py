@@ -18,16 +18,33 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
+from ._expert import bucket_groups, group_config
 from ._layout import BucketLayout
 from ._local import local_gradients
-from ._nested import NestedOps, gather_params_nested
+from ._nested import NestedOps, PlainOps, gather_params_nested
 from ._sharding import ShardingPlan
 
 __all__ = ["check_mesh", "layout_for", "local_step", "read_plan", "state_shardings"]
 
 
 def check_mesh(mesh: Any, config: DDPConfig) -> None:
-    """A ``Mesh`` given to ``DataParallel`` must have ``config.data_axis``."""
+    """A ``Mesh`` given to ``DataParallel`` must have ``config.data_axis`` (and
+    ``config.expert_axis`` when set)."""
+    ea = config.expert_axis
+    if ea is not None and config.zero_stage >= 1:
+        raise NotImplementedError(
+            f"DataParallel: expert_axis={ea!r} with zero_stage={config.zero_stage} is not "
+            "implemented yet (expert buffers would need their own ZeRO shard over the "
+            "expert-data-parallel group); expected zero_stage=0. Fix: use zero_stage=0 with "
+            "expert parallelism."
+        )
+    if ea is not None and not (isinstance(mesh, Mesh) and ea in mesh.axis_names):
+        axes = dict(mesh.shape) if isinstance(mesh, Mesh) else "the default 1-D data mesh"
+        raise ValueError(
+            f"DataParallel: DDPConfig.expert_axis={ea!r} but the mesh is {axes}; expected a "
+            f"mesh with axes {config.data_axis!r} and {ea!r}. Fix: pass mesh=jax.make_mesh("
+            f"(2, 4), ({config.data_axis!r}, {ea!r})) or drop expert_axis."
+        )
     if isinstance(mesh, Mesh) and config.data_axis not in mesh.axis_names:
         raise ValueError(
             f"DataParallel: the mesh has axes {dict(mesh.shape)}; expected one named "
@@ -55,7 +72,14 @@ def read_plan(
         param_specs = [ls.pspec for ls in previous.leaves]
         treedef = jax.tree_util.tree_structure(params)
         param_specs = jax.tree_util.tree_unflatten(treedef, param_specs)
-    plan = ShardingPlan.from_params(params, mesh, config.data_axis, param_specs)
+    plan = ShardingPlan.from_params(
+        params,
+        mesh,
+        config.data_axis,
+        param_specs,
+        expert_axis=config.expert_axis,
+        expert_patterns=config.expert_param_patterns,
+    )
     if not plan.trivial and config.zero_stage >= 1 and config.bucket_layout == "megatron":
         raise NotImplementedError(
             "DataParallel: bucket_layout='megatron' with parameters split over "
@@ -120,21 +144,51 @@ def state_shardings(
     return state_cls(step=rep, params=params, master=master, opt_state=opt)
 
 
+def dense_dp(mesh: Any, config: DDPConfig) -> int:
+    """Size of the dense data-parallel group: the data axis, times the expert axis if any."""
+    n = int(mesh.shape[config.data_axis])
+    return n * int(mesh.shape[config.expert_axis]) if config.expert_axis else n
+
+
+def batch_spec(config: DDPConfig) -> P:
+    """How a global batch is split: over the data axis, and the expert axis if any."""
+    if config.expert_axis is None:
+        return P(config.data_axis)
+    return P((config.data_axis, config.expert_axis))
+
+
 def local_step(
     loss_fn: Any, plan: ShardingPlan, layout: BucketLayout, config: DDPConfig, params: Any, batch
 ) -> tuple[Any, dict[str, Any]]:
-    """Reduced gradients and metrics, ``shard_map`` manual over the data axis only."""
-    ops = NestedOps(layout, config, plan)
+    """Reduced gradients and metrics, ``shard_map`` manual over the data (and expert) axis
+    only; the other axes stay under the compiler."""
     sharded = config.zero_stage >= 1
-    body = functools.partial(
-        local_gradients, loss_fn=loss_fn, layout=layout, config=config, ops=ops
+    cfg, groups = config, None
+    if plan.expert_axis is not None:
+        groups = bucket_groups(layout, config, plan.mesh)
+        cfg = group_config(config, plan.manual_axes)  # loss, token and NaN sums: dense group
+    if plan.auto_axes:
+        ops: PlainOps = NestedOps(layout, cfg, plan, groups)
+    else:
+        ops = PlainOps(layout, cfg, plan, groups)
+    manual = plan.manual_axes
+    param_specs = jax.tree_util.tree_unflatten(
+        layout.treedef, [ls.spec_over(manual) for ls in plan.leaves]
     )
+    if sharded:
+        grad_specs = jax.tree_util.tree_unflatten(
+            layout.treedef,
+            [P(None, config.data_axis) if ls.axes else P(config.data_axis) for ls in plan.leaves],
+        )
+    else:
+        grad_specs = param_specs
+    body = functools.partial(local_gradients, loss_fn=loss_fn, layout=layout, config=cfg, ops=ops)
     local = jax.shard_map(
         body,
         mesh=plan.mesh,
-        in_specs=(P(), P(config.data_axis)),
-        out_specs=(ops.grads_out_specs(sharded), P()),
-        axis_names=set(plan.manual_axes),
+        in_specs=(param_specs, batch_spec(config)),
+        out_specs=(grad_specs, P()),
+        axis_names=set(manual),
     )
     return local(params, batch)
 

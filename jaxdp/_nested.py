@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
+from ._expert import Group, reduce_grouped, square_norm_grouped
 from ._layout import BucketLayout
-from ._reduce import reduce_buckets, reduce_microbatch_buckets
+from ._reduce import metric_sum, reduce_buckets, reduce_microbatch_buckets
 from ._sharding import ShardingPlan
 
 __all__ = ["NestedOps", "PlainOps", "gather_params_nested"]
@@ -37,10 +38,39 @@ def _entry(axes: Sequence[str]) -> Any:
 
 
 class PlainOps:
-    """Bucket operations on whole (replicated) parameters: the layout's own methods."""
+    """Bucket operations on whole (replicated) parameters: the layout's own methods.
 
-    def __init__(self, layout: BucketLayout, config: DDPConfig):
-        self.layout, self.config = layout, config
+    With ``plan`` and ``groups`` (expert parallelism, :mod:`jaxdp._expert`) each bucket is
+    reduced over its own group and each param is made varying over the manual axes it is not
+    already split over."""
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        config: DDPConfig,
+        plan: ShardingPlan | None = None,
+        groups: Sequence[Group] | None = None,
+    ):
+        self.layout, self.config, self.plan, self.groups = layout, config, plan, groups
+
+    def varying(self, params: Any, axis: Any) -> Any:
+        """Per-device copies of ``params`` to differentiate (autodiff then adds no psum)."""
+        if self.plan is None or len(self.plan.manual_axes) == 1:
+            return jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
+        manual = self.plan.manual_axes
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        out = []
+        for w, ls in zip(leaves, self.plan.leaves, strict=True):
+            axes = tuple(a for a in manual if a not in ls.axes)
+            out.append(jax.lax.pcast(w, axes, to="varying") if axes else w)
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def square_norm(self, red: Sequence[jax.Array], sharded: bool) -> jax.Array:
+        """Squared L2 norm of all reduced gradients (the same on every rank)."""
+        if self.groups is not None and self.plan is not None and self.plan.expert_axis:
+            return square_norm_grouped(red, self.groups, self.plan.expert_axis)
+        sq = jnp.sum(jnp.stack([jnp.sum(jnp.square(r)) for r in red]))
+        return metric_sum(sq, self.config) if sharded else sq
 
     def zeros(self, numels: Sequence[int], dtype: Any) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros((n,), dtype) for n in numels)
@@ -54,6 +84,8 @@ class PlainOps:
         return reduce_microbatch_buckets(flat, self.layout, self.config, num_microbatches=g)
 
     def reduce(self, acc: Sequence[jax.Array], g: int) -> tuple[jax.Array, ...]:
+        if self.groups is not None:
+            return reduce_grouped(acc, self.layout, self.config, self.groups, g)
         return reduce_buckets(acc, self.layout, self.config, num_microbatches=g)
 
     def out(self, red: Sequence[jax.Array], sharded: bool) -> Any:
@@ -64,15 +96,20 @@ class NestedOps(PlainOps):
     """The same operations, each in a ``shard_map`` nested inside the step's data-manual one
     and manual over the parameters' other axes (module docstring)."""
 
-    def __init__(self, layout: BucketLayout, config: DDPConfig, plan: ShardingPlan):
-        super().__init__(layout, config)
-        self.plan = plan
+    def __init__(
+        self,
+        layout: BucketLayout,
+        config: DDPConfig,
+        plan: ShardingPlan,
+        groups: Sequence[Group] | None = None,
+    ):
+        super().__init__(layout, config, plan, groups)
+        self.nested_plan = plan
         self.axes = set(plan.auto_axes)
+        auto = plan.auto_axes
+        keys = [tuple(a for a in b.shard_axes if a in auto) for b in layout.buffers]
         self.bucket_specs = tuple(
-            P(_entry(layout.buffers[b.buffer].shard_axes))
-            if layout.buffers[b.buffer].shard_axes
-            else P()
-            for b in layout.buckets
+            P(_entry(keys[b.buffer])) if keys[b.buffer] else P() for b in layout.buckets
         )
         self.leaf_specs = jax.tree_util.tree_unflatten(
             layout.treedef, [ls.spec_over(plan.auto_axes) for ls in plan.leaves]
@@ -110,7 +147,7 @@ class NestedOps(PlainOps):
         return tuple(f(tuple(acc)))
 
     def out(self, red: Sequence[jax.Array], sharded: bool) -> Any:
-        layout, plan = self.layout, self.plan
+        layout, plan = self.layout, self.nested_plan
         if not sharded:
             f = self._nest(lambda x: layout.unpack(x), (self.bucket_specs,), self.leaf_specs)
             return f(tuple(red))
@@ -134,16 +171,6 @@ class NestedOps(PlainOps):
             ],
         )
         return self._nest(body, (self.bucket_specs,), out_specs)(tuple(red))
-
-    def grads_out_specs(self, sharded: bool) -> Any:
-        """Out specs of the step's data-manual ``shard_map`` for the gradients."""
-        axis = self.config.data_axis
-        if not sharded:
-            return P()
-        return jax.tree_util.tree_unflatten(
-            self.layout.treedef,
-            [P(None, axis) if ls.axes else P(axis) for ls in self.plan.leaves],
-        )
 
 
 def _local_axes(ls: Any, auto: Sequence[str]) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ Unsharded parameters keep today's 1-D view sharded ``P(data_axis)``, so a 1-D me
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from typing import Any
 
@@ -152,10 +153,20 @@ class ShardingPlan:
 
     @classmethod
     def from_params(
-        cls, params: Any, mesh: Any, data_axis: str, param_specs: Any = None
+        cls,
+        params: Any,
+        mesh: Any,
+        data_axis: str,
+        param_specs: Any = None,
+        *,
+        expert_axis: str | None = None,
+        expert_patterns: tuple[str, ...] = (),
     ) -> ShardingPlan:
         """Read each leaf's ``NamedSharding`` (or ``param_specs``, a pytree of
-        ``PartitionSpec`` like ``params``); leaves without one are replicated."""
+        ``PartitionSpec`` like ``params``); leaves without one are replicated.
+
+        With ``expert_axis`` the step is manual over it too; leaves matching
+        ``expert_patterns`` that are not split over it are split over it on dimension 0."""
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         if param_specs is None:
             specs = [_read_spec(leaf) for _, leaf in flat]
@@ -170,11 +181,15 @@ class ShardingPlan:
                     f"expected {len(flat)}, one per parameter. Fix: build it with "
                     "jax.tree.map(lambda _: P(...), params)."
                 )
+        paths = [path_str(kp) for kp, _ in flat]
+        if expert_axis is not None:
+            specs = _mark_experts(paths, specs, expert_axis, expert_patterns)
         leaves = tuple(
-            _leaf(path_str(kp), leaf, spec, mesh, data_axis)
-            for (kp, leaf), spec in zip(flat, specs, strict=True)
+            _leaf(path, leaf, spec, mesh, data_axis)
+            for path, (_, leaf), spec in zip(paths, flat, specs, strict=True)
         )
-        return cls(mesh=mesh, data_axis=data_axis, manual_axes=(data_axis,), leaves=leaves)
+        manual = (data_axis,) if expert_axis is None else (data_axis, expert_axis)
+        return cls(mesh=mesh, data_axis=data_axis, manual_axes=manual, leaves=leaves)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -185,8 +200,13 @@ class ShardingPlan:
 
     @property
     def trivial(self) -> bool:
-        """No parameter is split over a non-manual axis: the 1-D code path applies as is."""
-        return not self.auto_axes
+        """No parameter is split over a non-manual axis and the step is manual over the data
+        axis only: the 1-D code path applies as is."""
+        return not self.auto_axes and len(self.manual_axes) == 1
+
+    @property
+    def expert_axis(self) -> str | None:
+        return self.manual_axes[1] if len(self.manual_axes) > 1 else None
 
     def local_params(self, params: Any) -> Any:
         """Abstract per-device blocks of ``params`` (what the layout is built from)."""
@@ -198,8 +218,9 @@ class ShardingPlan:
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def buffer_keys(self) -> tuple[tuple[str, ...], ...]:
-        """Per leaf, the non-manual axes it is split over: params are grouped into buffers by it."""
-        return tuple(tuple(a for a in ls.axes if a not in self.manual_axes) for ls in self.leaves)
+        """Per leaf, the (non-data) axes it is split over: params are grouped into buffers by
+        it, so expert params and each tensor-parallel split get buffers of their own."""
+        return tuple(ls.axes for ls in self.leaves)
 
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -286,6 +307,36 @@ class ShardingPlan:
         leaves = jax.tree_util.tree_leaves(view)
         out = [self.leaf_from_view(i, layout, v) for i, v in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(layout.treedef, out)
+
+
+def _mark_experts(
+    paths: list[str], specs: list[Any], expert_axis: str, patterns: tuple[str, ...]
+) -> list[Any]:
+    """Split params matching ``patterns`` over ``expert_axis`` on dimension 0 (unless they
+    already are); every pattern must match some param."""
+    out = list(specs)
+    for pat in patterns:
+        hits = [i for i, p in enumerate(paths) if fnmatch.fnmatchcase(p, pat)]
+        if not hits:
+            raise ValueError(
+                f"DataParallel.init: expert_param_patterns entry {pat!r} matches no parameter; "
+                f"expected it to match expert params among {paths[:8]}"
+                f"{'...' if len(paths) > 8 else ''}. Fix: correct the pattern (fnmatch over "
+                "'a/b/c' paths, e.g. '*/experts/*') or remove it."
+            )
+        for i in hits:
+            spec = tuple(out[i])
+            if expert_axis in spec_axes(spec):
+                continue
+            if spec and spec[0] is not None:
+                raise ValueError(
+                    f"DataParallel.init: expert param {paths[i]!r} (matched by {pat!r}) has spec "
+                    f"{P(*spec)} whose first dimension is already split; expected its first "
+                    f"(expert) dimension free to split over {expert_axis!r}. Fix: give it the "
+                    f"sharding P({expert_axis!r}, ...) yourself, or fix the pattern."
+                )
+            out[i] = P(expert_axis, *spec[1:])
+    return out
 
 
 def _axes_entry(axes: tuple[str, ...]) -> Any:

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
+
+from ._multiaxis import batch_spec
 
 if TYPE_CHECKING:
     from ._engine import DataParallel, TrainState
@@ -48,7 +49,7 @@ class _Step:
         eng = self._engine
         eng._check_batch(batch)
         state = jax.tree.map(_with_sharding, state, eng._shardings)
-        batch_sharding = eng._sharding(P(eng.config.data_axis))
+        batch_sharding = eng._sharding(batch_spec(eng.config))
         batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
         return self._jitted.lower(state, batch)
 

@@ -42,6 +42,11 @@ BAD_VALUES = [
     ("bucket_layout", "ring", ValueError, "one of ('interleaved', 'megatron')"),
     ("gradient_accumulation_fusion", "yes", TypeError, "a bool"),
     ("overlap_param_gather", 1, TypeError, "a bool"),
+    ("expert_axis", 3, TypeError, "None or the non-empty str name"),
+    ("expert_axis", "", ValueError, "None or the non-empty str name"),
+    ("expert_axis", "data", ValueError, "a mesh axis other than data_axis='data'"),
+    ("expert_param_patterns", "moe/*", TypeError, "wrap a single pattern in a tuple"),
+    ("expert_param_patterns", ("ok", ""), TypeError, "non-empty pattern strings only"),
 ]
 
 

@@ -46,3 +46,9 @@ def test_readme_tensor_parallel_snippet_runs(capsys):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.splitlines() == ["P(None, 'model')", "P('model', 'data')"]
+
+
+def test_moe_expert_parallel_example_matches_reference(capsys):
+    _load("moe_expert_parallel.py").main(["--steps", "3"])
+    out = capsys.readouterr().out
+    assert "split P('expert', None, None)" in out and "max |param - reference|" in out

@@ -268,3 +268,52 @@ def test_checkpoint_restores_across_tp_and_1d_meshes(tmp_path, batches):
             assert restored.params["mlp"]["up"].sharding.spec == P(None, "model")
         restored, _ = dst.step(restored, dst.shard_batch(batches[2]))
         assert max_rel_err(dst.params(restored), expect) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_layouts_of_replicated_params_are_unchanged(stage):
+    """Checkpoints and jit caches compare layouts: whole params lay out exactly as before,
+    whether the mesh is 1-D or has other axes."""
+    cfg = DDPConfig(zero_stage=stage, bucket_size=300)
+    base = jaxdp.BucketLayout.from_params(tp_params(), cfg, 4)
+    same = jaxdp.BucketLayout.from_params(tp_params(), cfg, 4, shard_axes=((),) * 9)
+    assert same == base and hash(same) == hash(base)
+    assert all(b.shard_axes == () for b in base.buffers)
+    dp = DataParallel(tp_loss, optax.sgd(0.1), cfg, mesh=tp_mesh(4, 2))
+    dp.init(tp_params())
+    assert dp.layout == base
+    split = DataParallel(tp_loss, optax.sgd(0.1), cfg, mesh=tp_mesh(4, 2))
+    split.init(tp_params(), param_specs=SPECS)
+    assert split.layout != base
+    assert {b.shard_axes for b in split.layout.buffers} == {(), ("model",)}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"zero_stage": 1, "deterministic_reduction": True, "check_for_nan_in_grad": True},
+        {"zero_stage": 0, "clip_grad": 0.5},
+        {"zero_stage": 2, "param_dtype": "bfloat16", "reduce_scatter_with_fp32_accumulation": True},
+    ],
+    ids=["deterministic+nan-check", "clip", "bf16-fp32-accum"],
+)
+def test_other_options_on_a_2d_mesh(batches, kw):
+    mesh = tp_mesh(4, 2)
+    dp, opt = engine(mesh, **kw)
+    bf16 = "param_dtype" in kw
+    ref, _ = reference_train(
+        tp_loss,
+        opt,
+        tp_params(),
+        batches[:2],
+        clip=kw.get("clip_grad"),
+        param_dtype=jnp.bfloat16 if bf16 else None,
+    )
+    state = dp.init(place(tp_params(), mesh))
+    for b in batches[:2]:
+        state, _ = dp.step(state, dp.shard_batch(b))
+    if bf16:  # bf16 gradient rounding, as in test_engine_parity.test_bf16_params_parity
+        for a, r in zip(jax.tree.leaves(dp.params(state)), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(a, r, atol=2e-3, rtol=0)
+    else:
+        assert max_rel_err(dp.params(state), ref) < 1e-6
