@@ -48,7 +48,13 @@ import bench_scaling  # noqa: E402
 import bench_step  # noqa: E402
 import bench_zero3  # noqa: E402
 import jax  # noqa: E402
-from readings import comm_reading, compile_reading, numerics_reading, scaling_reading  # noqa: E402
+from readings import (  # noqa: E402
+    comm_reading,
+    compile_reading,
+    memory_gpu_reading,
+    numerics_reading,
+    scaling_reading,
+)
 
 
 class _Tee(io.StringIO):
@@ -331,16 +337,7 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {gpu_memory["markdown"]}
 
-Reading: this is the program the GPU would run (no CPU bf16 rewriting). With G = 1, stage 0
-(16.0 B/param) and stage 1 (5.5 B/param with several buckets; one 40M bucket adds the packed copy
-of the gradients, +9%) match the ZeRO formulas. Stage 2 keeps the sharded accumulator it
-promises but stays above the 2Ψ + 14Ψ/N line (with G = 1 it is the stage-1 program). XLA's
-buffer assignment (`--xla_dump_to`, stage 2, G = 1, 5 buckets) puts the ~2 B/param of temp in
-two phases sharing one region: the packed gradient buckets of the backward pass, then the
-all-gathered bf16 param buckets before they are split into parameter leaves. Storing the working
-params as the gathered buckets (Megatron's param buffer) would remove the latter. With G > 1
-and one bucket, the full fp32 accumulator and the per-micro-batch gradients coexist
-(~8 B/param temp); several buckets roughly halve that.
+{memory_gpu_reading(gpu_memory)}
 
 {_section("5. Communication per step", "bench_comm", t_comm, comm["markdown"])}
 
