@@ -1,0 +1,330 @@
+"""jaxdp._scan_gather: inference of scanned stacks, per-layer gather parity, and its HLO shape."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import chex
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdp._scan_gather import (
+    find_scanned_leaves,
+    gather_in_scans,
+    per_leaf,
+    stacked_by_path,
+)
+
+L, D = 4, 8
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+class Block(linen.Module):
+    @linen.compact
+    def __call__(self, x, _):
+        h = linen.LayerNorm()(x)
+        q, k = linen.Dense(D, name="q")(h), linen.Dense(D, name="k")(h)
+        att = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / math.sqrt(D))
+        x = x + linen.Dense(D, name="o")(jnp.einsum("bqk,bkd->bqd", att, h))
+        h = linen.Dense(2 * D, name="fc")(linen.LayerNorm()(x))
+        return x + linen.Dense(D, name="out")(jax.nn.gelu(h)), None
+
+
+class Linen(linen.Module):
+    remat: bool = False
+
+    @linen.compact
+    def __call__(self, x):
+        x = linen.Dense(D, name="emb")(x)
+        block = linen.remat(Block, prevent_cse=False) if self.remat else Block
+        stack = linen.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L
+        )
+        x, _ = stack(name="blocks")(x, None)
+        return linen.Dense(1, name="head")(x)
+
+
+def linen_loss(remat=False):
+    model = Linen(remat)
+    x = jax.random.normal(jax.random.key(1), (8, 3, 5))
+    params = model.init(jax.random.key(0), x)
+    return (lambda p, xb: jnp.mean(model.apply(p, xb) ** 2)), params, x
+
+
+def raw_loss(p, x):
+    """Raw lax.scan, reached through jit and checkpoint, with a cast of the whole stack."""
+
+    @jax.jit
+    def stack(h, ws, bs):
+        body = jax.checkpoint(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None))
+        return jax.lax.scan(body, h, (ws.astype(jnp.float32), bs))[0]
+
+    return jnp.mean((stack(x @ p["emb"], p["w"], p["b"]) @ p["head"]) ** 2)
+
+
+def raw_params():
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {
+        "b": 0.1 * jax.random.normal(k[0], (L, D)),
+        "emb": jax.random.normal(k[1], (5, D)) / 3,
+        "head": jax.random.normal(k[2], (D, 2)),
+        "w": jax.random.normal(k[3], (L, D, D)) / math.sqrt(D),
+    }
+    return p, jax.random.normal(jax.random.key(2), (8, 5))
+
+
+def paths(params, idx):
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return sorted(jax.tree_util.keystr(flat[i][0]) for i in idx)
+
+
+# --- inference ---------------------------------------------------------------------------------
+
+
+def test_find_raw_scan_through_jit_checkpoint_cast():
+    p, x = raw_params()
+    assert find_scanned_leaves(raw_loss, p, x) == {0: L, 3: L}  # b, w
+
+
+def test_find_shape_only():
+    p, x = raw_params()
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (p, x))
+    assert find_scanned_leaves(raw_loss, *shapes) == {0: L, 3: L}
+
+
+def test_leaf_used_elsewhere_is_not_reported():
+    p, x = raw_params()
+
+    def loss(p, x):
+        return raw_loss(p, x) + jnp.sum(p["w"][1] ** 2) + jnp.sum(p["b"].T)
+
+    assert find_scanned_leaves(loss, p, x) == {}
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_find_linen_scan(remat):
+    loss, params, x = linen_loss(remat)
+    found = find_scanned_leaves(loss, params, x)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    want = {i: L for i, (path, _) in enumerate(flat) if "blocks" in jax.tree_util.keystr(path)}
+    assert len(want) == 14 and found == want
+
+
+class NBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(self.ln(x)))
+
+
+class NModel(nnx.Module):
+    def __init__(self, rngs):
+        self.emb = nnx.Linear(5, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return NBlock(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(h, block):
+            return block(h)
+
+        return jnp.mean(forward(self.emb(x), self.blocks) ** 2)
+
+
+def test_find_nnx_vmap_scan():
+    graphdef, params = nnx.split(NModel(nnx.Rngs(0)), nnx.Param)
+    x = jnp.ones((2, 5))
+    found = find_scanned_leaves(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
+    assert paths(params, found) == [
+        "['blocks']['lin']['bias'].value",
+        "['blocks']['lin']['kernel'].value",
+        "['blocks']['ln']['bias'].value",
+        "['blocks']['ln']['scale'].value",
+    ]
+    assert set(found.values()) == {L}
+
+
+def test_stacked_by_path():
+    loss, params, x = linen_loss()
+    marked = stacked_by_path(params, {r"^params/blocks/": 0, r"head/kernel$": 1})
+    scanned = find_scanned_leaves(loss, params, x)
+    assert paths(params, [i for i, a in marked.items() if a == 0]) == paths(params, scanned)
+    assert paths(params, [i for i, a in marked.items() if a == 1]) == [
+        "['params']['head']['kernel']"
+    ]
+
+
+# --- parity on one device: the "shard" of a layer is the flattened layer -----------------------
+
+
+def flat_mixed(params, stacked):
+    """Per-layer shard arrays [L, n] and the reshape gather for the given {leaf: axis}."""
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = {}
+    for i, ax in stacked.items():
+        layers = jnp.moveaxis(leaves[i], ax, 0)
+        shapes[i] = layers.shape[1:]
+        leaves[i] = layers.reshape(layers.shape[0], -1)
+    gather = per_leaf({i: (lambda r, s=s: r.reshape(s)) for i, s in shapes.items()})
+    return treedef.unflatten(leaves), gather
+
+
+def check_parity(loss, params, x, stacked, **kw):
+    mixed, gather = flat_mixed(params, stacked)
+    loss2 = gather_in_scans(loss, stacked, gather, **kw)
+    v, g = jax.jit(jax.value_and_grad(loss))(params, x)
+    v2, g2 = jax.jit(jax.value_and_grad(loss2))(mixed, x)
+    chex.assert_trees_all_close(v2, v, **TOL)
+    chex.assert_trees_all_close(g2, flat_mixed(g, stacked)[0], **TOL)
+
+
+@pytest.mark.parametrize(("remat", "remat_gather"), [(False, False), (True, True)])
+def test_parity_linen(remat, remat_gather):
+    loss, params, x = linen_loss(remat)
+    stacked = dict.fromkeys(find_scanned_leaves(loss, params, x), 0)
+    check_parity(loss, params, x, stacked, remat_gather=remat_gather)
+
+
+def test_parity_raw_and_fallback():
+    p, x = raw_params()
+    check_parity(raw_loss, p, x, {0: 0, 3: 0}, remat_gather=True)
+
+    def loss(p, x):  # "w" is also indexed directly: gathered whole for that use
+        return raw_loss(p, x) + jnp.sum(p["w"][1] ** 2) + jnp.sum(p["b"].T ** 3)
+
+    check_parity(loss, p, x, {0: 0, 3: 0})
+
+
+def test_parity_marked_axis_1():
+    """A stack kept as [D, L, D] that the model moves to the front before scanning."""
+    p, x = raw_params()
+    p = {**p, "w": jnp.transpose(p["w"], (1, 0, 2))}
+
+    def loss(p, x):
+        return raw_loss({**p, "w": jnp.transpose(p["w"], (1, 0, 2))}, x)
+
+    stacked = stacked_by_path(p, {"^w$": 1, "^b$": 0})
+    assert stacked == {0: 0, 3: 1}
+    check_parity(loss, p, x, stacked)
+
+
+def test_parity_nnx():
+    graphdef, params = nnx.split(NModel(nnx.Rngs(0)), nnx.Param)
+    x = jax.random.normal(jax.random.key(3), (2, 5))
+
+    def loss(p, x):
+        return nnx.merge(graphdef, p)(x)
+
+    check_parity(loss, params, x, dict.fromkeys(find_scanned_leaves(loss, params, x), 0))
+
+
+# --- under shard_map over 8 devices: all_gather per layer, psum_scatter transpose ---------------
+
+N = 8
+
+
+def sharded_setup(remat_gather):
+    loss, params, x = linen_loss(remat=False)
+    stacked = find_scanned_leaves(loss, params, x)
+    leaves, treedef = jax.tree.flatten(params)
+    mesh = jax.make_mesh((N,), ("data",))
+    shapes, shards = {}, list(leaves)
+    for i in stacked:
+        shapes[i] = leaves[i].shape[1:]
+        n = math.prod(shapes[i])
+        flat = leaves[i].reshape(L, n)
+        shards[i] = jnp.pad(flat, ((0, 0), (0, -n % N)))
+
+    def gather(rows):
+        out = {}
+        for i, r in rows.items():
+            full = jax.lax.all_gather(r, "data", tiled=True)
+            out[i] = full[: math.prod(shapes[i])].reshape(shapes[i])
+        return out
+
+    specs = treedef.unflatten(
+        [P(None, "data") if i in stacked else P() for i in range(len(leaves))]
+    )
+    loss2 = gather_in_scans(
+        lambda p, xb: loss(p, xb) / N, dict.fromkeys(stacked, 0), gather, remat_gather=remat_gather
+    )
+
+    def step(mixed, xb):
+        v, g = jax.value_and_grad(loss2)(mixed, xb)
+        return jax.lax.psum(v, "data"), g
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs)))
+    mixed = jax.device_put(
+        treedef.unflatten(shards), jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    )
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    return f, mixed, xs, (loss, params, x, stacked, shards, treedef)
+
+
+def hlo_computations(text):
+    comps, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if m:
+            name, comps[m.group(1)] = m.group(1), []
+        elif name is not None:
+            comps[name].append(line)
+    return comps
+
+
+def loop_bodies(text):
+    comps = hlo_computations(text)
+    bodies = re.findall(r"while\(.*body=%?([\w.\-]+)", text)
+    return comps, [comps[b] for b in bodies]
+
+
+def all_gathers(lines):
+    return [ln for ln in lines if re.search(r"\ball-gather(-start)?\(", ln)]
+
+
+@pytest.mark.parametrize("remat_gather", [False, True])
+def test_sharded(remat_gather):
+    """Parity under shard_map (the shard gradient is the reduce-scatter of the full gradient),
+    and the compiled program's structure: per-layer all-gathers inside the loops only."""
+    f, mixed, xs, (loss, params, x, stacked, shards, treedef) = sharded_setup(remat_gather)
+    compiled = f.lower(mixed, xs).compile()
+    v2, g2 = compiled(mixed, xs)
+    v, g = jax.value_and_grad(loss)(params, x)
+    gl = jax.tree.leaves(g)
+    want = list(gl)
+    for i in stacked:  # the reduce-scatter of the full gradient, in the shard layout
+        n = math.prod(gl[i].shape[1:])
+        want[i] = jnp.pad(gl[i].reshape(L, n), ((0, 0), (0, shards[i].shape[1] - n)))
+    chex.assert_trees_all_close(v2, v, **TOL)
+    chex.assert_trees_all_close(g2, treedef.unflatten(want), **TOL)
+
+    text = compiled.as_text()
+    comps, bodies = loop_bodies(text)
+    in_loops = [len(all_gathers(b)) for b in bodies]
+    gathering = [c for c in in_loops if c]
+    # forward loop gathers each layer; with remat_gather the backward loop gathers it again
+    assert len(gathering) == (2 if remat_gather else 1), in_loops
+    body_lines = {id(ln) for b in bodies for ln in b}
+    outside = [ln for c in comps.values() for ln in all_gathers(c) if id(ln) not in body_lines]
+    assert outside == []
+    # the backward loop reduce-scatters each layer's gradient
+    assert any("reduce-scatter(" in ln for b in bodies for ln in b)
+    # peak gathered buffer is one layer: no all-gather result holds a whole stack
+    biggest = max(s.shape[1] for i, s in enumerate(shards) if i in stacked) * N
+    for ln in all_gathers([ln for b in bodies for ln in b]):
+        dims = re.search(r"= \w+\[([\d,]*)\]", ln).group(1)
+        assert int(np.prod([int(d) for d in dims.split(",") if d])) <= biggest, ln
