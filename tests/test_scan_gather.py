@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -51,11 +52,19 @@ class Linen(linen.Module):
         return linen.Dense(1, name="head")(x)
 
 
+@functools.cache
 def linen_loss(remat=False):
     model = Linen(remat)
     x = jax.random.normal(jax.random.key(1), (8, 3, 5))
-    params = model.init(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)
     return (lambda p, xb: jnp.mean(model.apply(p, xb) ** 2)), params, x
+
+
+@functools.cache
+def reference(remat=False):
+    """Value and gradient of the unmodified linen loss (compiled once per module)."""
+    loss, params, x = linen_loss(remat)
+    return jax.jit(jax.value_and_grad(loss))(params, x)
 
 
 def raw_loss(p, x):
@@ -159,10 +168,11 @@ def test_find_nnx_vmap_scan():
 
 
 def test_stacked_by_path():
-    loss, params, x = linen_loss()
+    _, params, _ = linen_loss()
     marked = stacked_by_path(params, {r"^params/blocks/": 0, r"head/kernel$": 1})
-    scanned = find_scanned_leaves(loss, params, x)
-    assert paths(params, [i for i, a in marked.items() if a == 0]) == paths(params, scanned)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    blocks = [i for i, (path, _) in enumerate(flat) if "blocks" in jax.tree_util.keystr(path)]
+    assert sorted(i for i, a in marked.items() if a == 0) == blocks
     assert paths(params, [i for i, a in marked.items() if a == 1]) == [
         "['params']['head']['kernel']"
     ]
@@ -183,20 +193,21 @@ def flat_mixed(params, stacked):
     return treedef.unflatten(leaves), gather
 
 
-def check_parity(loss, params, x, stacked, **kw):
+def check_parity(loss, params, x, stacked, ref=None, **kw):
     mixed, gather = flat_mixed(params, stacked)
     loss2 = gather_in_scans(loss, stacked, gather, **kw)
-    v, g = jax.jit(jax.value_and_grad(loss))(params, x)
+    v, g = ref or jax.jit(jax.value_and_grad(loss))(params, x)
     v2, g2 = jax.jit(jax.value_and_grad(loss2))(mixed, x)
     chex.assert_trees_all_close(v2, v, **TOL)
     chex.assert_trees_all_close(g2, flat_mixed(g, stacked)[0], **TOL)
 
 
-@pytest.mark.parametrize(("remat", "remat_gather"), [(False, False), (True, True)])
-def test_parity_linen(remat, remat_gather):
-    loss, params, x = linen_loss(remat)
+def test_parity_linen_remat():
+    """nn.remat inside nn.scan, re-gathered in the backward (remat_gather=False with linen is
+    covered under shard_map below)."""
+    loss, params, x = linen_loss(True)
     stacked = dict.fromkeys(find_scanned_leaves(loss, params, x), 0)
-    check_parity(loss, params, x, stacked, remat_gather=remat_gather)
+    check_parity(loss, params, x, stacked, ref=reference(True), remat_gather=True)
 
 
 def test_parity_raw_and_fallback():
@@ -300,10 +311,10 @@ def all_gathers(lines):
 def test_sharded(remat_gather):
     """Parity under shard_map (the shard gradient is the reduce-scatter of the full gradient),
     and the compiled program's structure: per-layer all-gathers inside the loops only."""
-    f, mixed, xs, (loss, params, x, stacked, shards, treedef) = sharded_setup(remat_gather)
+    f, mixed, xs, (_, _, _, stacked, shards, treedef) = sharded_setup(remat_gather)
     compiled = f.lower(mixed, xs).compile()
     v2, g2 = compiled(mixed, xs)
-    v, g = jax.value_and_grad(loss)(params, x)
+    v, g = reference(False)
     gl = jax.tree.leaves(g)
     want = list(gl)
     for i in stacked:  # the reduce-scatter of the full gradient, in the shard layout
