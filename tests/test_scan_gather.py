@@ -231,6 +231,33 @@ def test_parity_marked_axis_1():
     stacked = stacked_by_path(p, {"^w$": 1, "^b$": 0})
     assert stacked == {0: 0, 3: 1}
     check_parity(loss, p, x, stacked)
+    # plus a direct use of the [D, L, D] stack: gathered whole (vmap, out_axes=1) for it
+    check_parity(lambda p, x: loss(p, x) + jnp.sum(p["w"][:, 2] ** 2), p, x, stacked)
+
+
+def test_scan_over_microbatches_then_layers():
+    """The stacks are constants of an outer scan (over micro-batches) and xs of the inner one:
+    still gathered per layer, inside the inner loop; a constant the outer body uses directly
+    ("b" below) is gathered whole once, before the outer loop."""
+    p, x = raw_params()
+
+    def accumulate(p, x):
+        def micro(acc, xb):
+            return acc + raw_loss(p, xb), None
+
+        return jax.lax.scan(micro, 0.0, x.reshape(2, 4, 5))[0]
+
+    assert find_scanned_leaves(accumulate, p, x) == {0: L, 3: L}
+    check_parity(accumulate, p, x, {0: 0, 3: 0}, remat_gather=True)
+
+    def direct(p, x):
+        def micro(acc, xb):
+            return acc + raw_loss(p, xb) + jnp.sum(p["b"] ** 2), None
+
+        return jax.lax.scan(micro, 0.0, x.reshape(2, 4, 5))[0]
+
+    assert find_scanned_leaves(direct, p, x) == {3: L}
+    check_parity(direct, p, x, {0: 0, 3: 0})
 
 
 def test_parity_nnx():
@@ -249,7 +276,8 @@ N = 8
 
 
 def sharded_setup(remat_gather):
-    loss, params, x = linen_loss(remat=False)
+    # with remat_gather, the linen model whose block is itself nn.remat (nested checkpoints)
+    loss, params, x = linen_loss(remat=remat_gather)
     stacked = find_scanned_leaves(loss, params, x)
     leaves, treedef = jax.tree.flatten(params)
     mesh = jax.make_mesh((N,), ("data",))
@@ -318,7 +346,7 @@ def test_sharded(remat_gather):
     f, mixed, xs, (_, _, _, stacked, shards, treedef) = sharded_setup(remat_gather)
     compiled = f.lower(mixed, xs).compile()
     v2, g2 = compiled(mixed, xs)
-    v, g = reference(False)
+    v, g = reference(remat_gather)
     gl = jax.tree.leaves(g)
     want = list(gl)
     for i in stacked:  # the reduce-scatter of the full gradient, in the shard layout
