@@ -22,6 +22,24 @@ scans over another axis, or slices layers by hand), mark leaves by path with
 :func:`stacked_by_path`; a marked leaf that reaches something other than a scan is gathered
 whole for that use (vmap of ``gather``): correct, only without the memory saving.
 
+Use from a ZeRO-3 engine (inside its ``shard_map`` over the data axis):
+
+1. Once, at layout time (shapes only): ``stacked = dict.fromkeys(find_scanned_leaves(loss_fn,
+   abstract_params, abstract_batch), 0) | stacked_by_path(abstract_params, user_rules)``.
+2. Store each stacked leaf as ``[L, *piece]``: layer ``l`` (``moveaxis(leaf, axis, 0)[l]``)
+   flattened, padded to a multiple of ``dp`` and cut into ``dp`` pieces, rank ``r`` holding piece
+   ``r`` (any per-layer layout works; the engine's gather is the only code that knows it).
+3. Per micro-batch: ``loss = gather_in_scans(loss_fn, stacked, gather, remat_gather=True)``
+   and differentiate ``loss(params_mixed, batch)`` with respect to ``params_mixed``: stacked
+   leaves are the local ``[L, *piece]`` arrays, all other leaves whatever the engine gathers for
+   them (e.g. full params from its bucketed gather).
+4. ``gather(rows)`` receives ``{leaf index: rows[leaf] = this rank's piece of one layer}`` for
+   all stacked leaves of one scan and returns ``{leaf index: that layer, full shape (the leaf's
+   shape without the stacked axis), compute dtype}``, e.g. concatenate the pieces, one
+   ``all_gather`` over the data axis, split, unpad, reshape. Its transpose (``psum_scatter`` for
+   ``all_gather``; wrap it in a ``custom_vjp`` for fp32 accumulation) is the per-layer gradient
+   reduce-scatter, landing in the ``[L, *piece]`` gradient of each stacked leaf.
+
 Example (one device; the "shard" of a layer is the flattened layer, the gather a reshape):
 
     >>> import jax, jax.numpy as jnp
@@ -46,6 +64,7 @@ Example (one device; the "shard" of a layer is the flattened layer, the gather a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
@@ -104,6 +123,17 @@ class _Ctx:
     whole: set[int] = dataclasses.field(default_factory=set)
 
 
+def _source(eqn: Any) -> Any:
+    """Keep the equation's name stack (HLO op names, profiles), as ``jax.core.eval_jaxpr``
+    does; a no-op where jax's private helper is missing."""
+    try:
+        from jax._src import source_info_util as siu
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    stack = siu.current_name_stack() + eqn.source_info.name_stack
+    return siu.user_context(eqn.source_info.traceback, name_stack=stack)
+
+
 def _materialize(x: Any, ctx: _Ctx) -> Any:
     """Fallback: gather every layer (vmap of ``gather``) and stack them at ``x.axis``."""
     if not isinstance(x, _Stacked):
@@ -114,7 +144,7 @@ def _materialize(x: Any, ctx: _Ctx) -> Any:
 
 def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
     params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
+    with _source(eqn), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -280,7 +310,8 @@ def gather_in_scans(
     """``fn2(params_mixed, *args)`` computes ``fn(params_full, *args)`` gathering stacks per layer.
 
     Args:
-        fn: ``fn(params, *args)``; any pytree output. Traced once per call of ``fn2``.
+        fn: ``fn(params, *args)``; any pytree output. Traced once per call of ``fn2`` (in the
+            caller's context, so collectives of an enclosing ``shard_map`` are allowed).
         stacked: ``{leaf index (jax.tree.leaves order of params): stacked axis of the full leaf}``.
             ``params_mixed`` leaf ``i`` is then a shard array ``[L, *shard]`` (always layers
             first) and the full leaf is ``stack([gather({i: shard[l]})[i] for l in range(L)],
@@ -313,7 +344,8 @@ def gather_in_scans(
 def find_scanned_leaves(fn: Callable[..., Any], params: Any, *args: Any) -> dict[int, int]:
     """``{leaf index: L}`` for leaves of ``params`` that ``fn(params, *args)`` uses only as ``xs``
     of ``lax.scan`` along axis 0 (``L`` = scan length; a leaf scanned by scans of different
-    lengths is not reported). Shape-only: ``params``/``args`` may be ``ShapeDtypeStruct``."""
+    lengths is not reported). Shape-only: ``params``/``args`` may be ``ShapeDtypeStruct``. If
+    ``fn`` uses collectives, call it where their axes are bound (inside the ``shard_map``)."""
     leaves, treedef = jax.tree.flatten(params)
     cand = {i: 0 for i, x in enumerate(leaves) if len(jnp.shape(x)) >= 1}
     ctx = _Ctx(lambda rows: rows, False, None, DEFAULT_NAME, False)
