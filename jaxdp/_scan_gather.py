@@ -15,17 +15,20 @@ dict ``{leaf index: one row of that leaf's shard array}`` and returns ``{leaf in
 slice}``. Every stacked leaf consumed by the same scan arrives in the same call, so the caller can
 pack them into one collective per layer.
 
-Inference (:func:`find_scanned_leaves`) reports leaves whose every use is as ``xs`` of a scan
-(possibly through ``jit``, ``closed_call``, ``checkpoint``/``remat``, an outer scan's constants,
-dtype casts or transposes that keep axis 0 first). When it cannot see the stack (the model
-scans over another axis, or slices layers by hand), mark leaves by path with
-:func:`stacked_by_path`; a marked leaf that reaches something other than a scan is gathered
-whole for that use (vmap of ``gather``): correct, only without the memory saving.
+Inference (:func:`find_scanned_axes`; :func:`find_scanned_leaves` for axis 0 only) reports
+leaves whose every use is as ``xs`` of a scan, possibly through ``jit``, ``closed_call``,
+``checkpoint``/``remat``, an outer scan's constants (a micro-batch loop), dtype casts, or a
+transpose that brings the stacked axis first (``nn.scan(variable_axes={"params": 1})``). When it
+cannot see the stack (layers sliced by hand, ``fori_loop`` indexing), mark leaves by path with
+:func:`stacked_by_path`; a marked leaf that reaches anything but a scan (``while``, ``cond``,
+``custom_jvp``/``custom_vjp`` calls, indexing, arithmetic) is gathered whole for that use (vmap
+of ``gather``): correct, only without the memory saving.
 
 Use from a ZeRO-3 engine (inside its ``shard_map`` over the data axis):
 
-1. Once, at layout time (shapes only): ``stacked = dict.fromkeys(find_scanned_leaves(loss_fn,
-   abstract_params, abstract_batch), 0) | stacked_by_path(abstract_params, user_rules)``.
+1. Once, at layout time (shapes only): ``stacked = {i: ax for i, (ax, _) in
+   find_scanned_axes(loss_fn, abstract_params, abstract_batch).items()}``, updated with
+   ``stacked_by_path(abstract_params, user_rules)`` (the user's marks win).
 2. Store each stacked leaf as ``[L, *piece]``: layer ``l`` (``moveaxis(leaf, axis, 0)[l]``)
    flattened, padded to a multiple of ``dp`` and cut into ``dp`` pieces, rank ``r`` holding piece
    ``r`` (any per-layer layout works; the engine's gather is the only code that knows it).
@@ -67,7 +70,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -78,6 +81,7 @@ from jax.extend.core import Jaxpr, Literal
 __all__ = [
     "DEFAULT_NAME",
     "GatherFn",
+    "find_scanned_axes",
     "find_scanned_leaves",
     "gather_in_scans",
     "per_leaf",
@@ -341,25 +345,46 @@ def gather_in_scans(
     return fn2
 
 
-def find_scanned_leaves(fn: Callable[..., Any], params: Any, *args: Any) -> dict[int, int]:
-    """``{leaf index: L}`` for leaves of ``params`` that ``fn(params, *args)`` uses only as ``xs``
-    of ``lax.scan`` along axis 0 (``L`` = scan length; a leaf scanned by scans of different
-    lengths is not reported). Shape-only: ``params``/``args`` may be ``ShapeDtypeStruct``. If
-    ``fn`` uses collectives, call it where their axes are bound (inside the ``shard_map``)."""
+def _probe(fn: Callable, params: Any, args: Any, axis: int, cand: list[int]) -> dict[int, int]:
+    """One shape-only trace with the identity gather, leaves ``cand`` stacked at ``axis``."""
     leaves, treedef = jax.tree.flatten(params)
-    cand = {i: 0 for i, x in enumerate(leaves) if len(jnp.shape(x)) >= 1}
+    mixed = list(leaves)
+    for i in cand:  # the "shard row" of a layer is the layer itself
+        shape = list(jnp.shape(leaves[i]))
+        mixed[i] = jax.ShapeDtypeStruct((shape.pop(axis), *shape), jnp.result_type(leaves[i]))
     ctx = _Ctx(lambda rows: rows, False, None, DEFAULT_NAME, False)
 
-    def probe(mixed: Any, *a: Any) -> Any:
-        return _run(fn, mixed, a, cand, ctx.gather, ctx)
+    def probe(m: Any, *a: Any) -> Any:
+        return _run(fn, m, a, dict.fromkeys(cand, axis), ctx.gather, ctx)
 
-    # The identity gather: the "shard row" of a layer is the layer itself.
-    jax.make_jaxpr(probe)(jax.tree.unflatten(treedef, leaves), *args)
-    return {
-        i: next(iter(ls))
-        for i, ls in sorted(ctx.scanned.items())
-        if len(ls) == 1 and i not in ctx.whole
-    }
+    jax.make_jaxpr(probe)(jax.tree.unflatten(treedef, mixed), *args)
+    return {i: min(ls) for i, ls in ctx.scanned.items() if len(ls) == 1 and i not in ctx.whole}
+
+
+def find_scanned_axes(
+    fn: Callable[..., Any], params: Any, *args: Any, axes: Sequence[int] | None = None
+) -> dict[int, tuple[int, int]]:
+    """``{leaf index: (stacked axis, L)}`` for leaves of ``params`` whose every use in
+    ``fn(params, *args)`` is as ``xs`` of a ``lax.scan`` (directly, or after a transpose that
+    brings the stacked axis first, as ``nn.scan(variable_axes={"params": 1})`` and MaxText's
+    ``param_scan_axis=1`` do). Tries ``axes`` in order (default: every axis; one shape-only
+    trace per axis while unresolved leaves remain); the first axis that works wins. A leaf
+    scanned by scans of different lengths is not reported. ``params``/``args`` may be
+    ``ShapeDtypeStruct``; if ``fn`` uses collectives, call it where their axes are bound."""
+    leaves = jax.tree.leaves(params)
+    ndim = [len(jnp.shape(x)) for x in leaves]
+    found: dict[int, tuple[int, int]] = {}
+    for ax in range(max(ndim, default=0)) if axes is None else axes:
+        cand = [i for i, n in enumerate(ndim) if n > ax and i not in found]
+        if cand:
+            found.update((i, (ax, n)) for i, n in _probe(fn, params, args, ax, cand).items())
+    return dict(sorted(found.items()))
+
+
+def find_scanned_leaves(fn: Callable[..., Any], params: Any, *args: Any) -> dict[int, int]:
+    """``{leaf index: L}`` for leaves of ``params`` that ``fn(params, *args)`` uses only as ``xs``
+    of ``lax.scan`` along axis 0 (:func:`find_scanned_axes` restricted to axis 0)."""
+    return {i: n for i, (_, n) in find_scanned_axes(fn, params, *args, axes=(0,)).items()}
 
 
 def _path_str(path: tuple[Any, ...]) -> str:

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdp._scan_gather import (
+    find_scanned_axes,
     find_scanned_leaves,
     gather_in_scans,
     per_leaf,
@@ -40,21 +41,22 @@ class Block(linen.Module):
 
 class Linen(linen.Module):
     remat: bool = False
+    axis: int = 0
 
     @linen.compact
     def __call__(self, x):
         x = linen.Dense(D, name="emb")(x)
         block = linen.remat(Block, prevent_cse=False) if self.remat else Block
         stack = linen.scan(
-            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L
+            block, variable_axes={"params": self.axis}, split_rngs={"params": True}, length=L
         )
         x, _ = stack(name="blocks")(x, None)
         return linen.Dense(1, name="head")(x)
 
 
 @functools.cache
-def linen_loss(remat=False):
-    model = Linen(remat)
+def linen_loss(remat=False, axis=0):
+    model = Linen(remat, axis)
     x = jax.random.normal(jax.random.key(1), (8, 3, 5))
     params = jax.jit(model.init)(jax.random.key(0), x)
     return (lambda p, xb: jnp.mean(model.apply(p, xb) ** 2)), params, x
@@ -124,6 +126,18 @@ def test_find_linen_scan(remat):
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     want = {i: L for i, (path, _) in enumerate(flat) if "blocks" in jax.tree_util.keystr(path)}
     assert len(want) == 14 and found == want
+
+
+def test_find_and_gather_linen_axis_1():
+    """nn.scan(variable_axes={"params": 1}) (MaxText's param_scan_axis=1): flax transposes the
+    stacks before its scan; inferred as axis 1, gathered per layer, transposed per layer."""
+    loss, params, x = linen_loss(axis=1)
+    found = find_scanned_axes(loss, params, x)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    blocks = [i for i, (path, _) in enumerate(flat) if "blocks" in jax.tree_util.keystr(path)]
+    assert found == {i: (1, L) for i in blocks}
+    assert find_scanned_leaves(loss, params, x) == {}  # axis 0 only
+    check_parity(loss, params, x, {i: ax for i, (ax, _) in found.items()})
 
 
 class NBlock(nnx.Module):
