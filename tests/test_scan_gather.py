@@ -256,6 +256,39 @@ def test_parity_raw_and_fallback():
     check_parity(loss, p, x, {0: 0, 3: 0})
 
 
+def test_custom_vjp_gather():
+    """An engine's gather with its own transpose (e.g. fp32 accumulation of the reduce-scatter):
+    used per layer, under remat_gather's checkpoint, and under vmap for the whole-stack
+    fallback."""
+    p, x = raw_params()
+    mixed, _ = flat_mixed(p, {0: 0, 3: 0})
+    shapes = {0: (D,), 3: (D, D)}
+    calls = []
+
+    @jax.custom_vjp
+    def unflatten(rows):
+        return {i: r.reshape(shapes[i]) for i, r in rows.items()}
+
+    def fwd(rows):
+        return unflatten(rows), None
+
+    def bwd(_, ct):
+        calls.append(sorted(ct))
+        return ({i: c.reshape(-1) for i, c in ct.items()},)
+
+    unflatten.defvjp(fwd, bwd)
+
+    def loss(p, x):
+        return raw_loss(p, x) + jnp.sum(p["b"][1] ** 2)
+
+    loss2 = gather_in_scans(loss, {0: 0, 3: 0}, unflatten, remat_gather=True)
+    v2, g2 = jax.jit(jax.value_and_grad(loss2))(mixed, x)
+    v, g = jax.jit(jax.value_and_grad(loss))(p, x)
+    chex.assert_trees_all_close(v2, v, **TOL)
+    chex.assert_trees_all_close(g2, flat_mixed(g, {0: 0, 3: 0})[0], **TOL)
+    assert [0, 3] in calls and [0] in calls  # the scan's pair per layer; "b" whole, alone
+
+
 def test_parity_marked_axis_1():
     """A stack kept as [D, L, D] that the model moves to the front before scanning."""
     p, x = raw_params()
