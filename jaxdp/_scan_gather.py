@@ -63,6 +63,19 @@ Example (one device; the "shard" of a layer is the flattened layer, the gather a
     >>> g = jax.grad(loss2)(mixed, x)["layers"]
     >>> bool(jnp.allclose(g, jax.grad(loss)(p, x)["layers"].reshape(4, 9)))
     True
+
+A stack kept at axis 1 (``[3, L, 3]``) that the model moves to the front before its scan is
+inferred by :func:`find_scanned_axes`, or marked by hand with its axis:
+
+    >>> def loss_t(p, x):
+    ...     return loss({**p, "layers": jnp.transpose(p["layers"], (1, 0, 2))}, x)
+    >>> pt = {**p, "layers": jnp.transpose(p["layers"], (1, 0, 2))}
+    >>> find_scanned_axes(loss_t, pt, x)  # leaf 1: stacked axis 1, 4 layers
+    {1: (1, 4)}
+    >>> stacked_by_path(pt, {r"^layers$": 1})
+    {1: 1}
+    >>> bool(jnp.allclose(gather_in_scans(loss_t, {1: 1}, gather)(mixed, x), loss(p, x)))
+    True
 """
 
 from __future__ import annotations
