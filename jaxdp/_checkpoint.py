@@ -49,8 +49,8 @@ def _leaf_paths(tree: Any) -> list[str]:
 
 
 class _Slot:
-    def __init__(self, key_path: tuple[Any, ...], shape: tuple[int, ...], padded: int):
-        self.key_path, self.shape, self.padded = key_path, shape, padded
+    def __init__(self, key_path: tuple[Any, ...], shape: tuple[int, ...], padded: int, index: int):
+        self.key_path, self.shape, self.padded, self.index = key_path, shape, padded, index
 
     @property
     def size(self) -> int:
@@ -62,8 +62,8 @@ def _slot_keys(layout: BucketLayout) -> list[_Slot]:
     dummy = jax.tree_util.tree_unflatten(layout.treedef, list(range(len(layout.slots))))
     kps = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
     return [
-        _Slot(kp, s.shape, (s.end - s.start) * layout.dp_size)
-        for kp, s in zip(kps, layout.slots, strict=True)
+        _Slot(kp, s.shape, (s.end - s.start) * layout.dp_size, i)
+        for i, (kp, s) in enumerate(zip(kps, layout.slots, strict=True))
     ]
 
 
@@ -388,7 +388,7 @@ def _opt_from_view(opt: Any, master_view: Any, layout: BucketLayout) -> Any:
         s = _slot_for(path, slots)
         if s is None or x.shape != (s.padded,):
             return x
-        return x[: s.size].reshape(s.shape)
+        return layout._leaf_from_global(s.index, x)  # a layer stack is kept per layer
 
     return jax.tree_util.tree_map_with_path(conv, opt)
 
@@ -417,8 +417,7 @@ def _opt_to_view(opt: Any, view_opt: Any, layout: BucketLayout) -> Any:
         s = _slot_for(path, slots)
         if s is None or v.shape != (s.padded,):
             return x
-        flat = jnp.ravel(x)
-        return jnp.pad(flat, (0, s.padded - s.size)) if s.padded > s.size else flat
+        return layout._leaf_to_global(s.index, x)
 
     return jax.tree_util.tree_map_with_path(conv, opt, view_opt)
 

@@ -41,6 +41,7 @@ from ._mesh import dp_size as _dp_size
 from ._optim_check import check_optimizer
 from ._step import _batch_signature, _Step
 from ._update import gather_params, optimizer_update
+from ._zero3_scan import find_stacks, warn_if_undetected
 
 __all__ = ["DataParallel", "TrainState"]
 
@@ -161,8 +162,10 @@ class DataParallel:
     def _master_dtype(self, layout: BucketLayout) -> Any:
         return jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
 
-    def _build_layout(self, params: Any) -> BucketLayout:
-        layout = BucketLayout.from_params(params, self.config, self.dp)
+    def _build_layout(self, params: Any, example_batch: Any = None) -> BucketLayout:
+        prev = dict(self._layout.stacked) if self._layout is not None else None
+        stacks = find_stacks(self.loss_fn, params, example_batch, self.config, self.dp, prev)
+        layout = BucketLayout.from_params(params, self.config, self.dp, stacked=stacks)
         if self._layout is not None and self._layout != layout:
             raise ValueError(
                 "DataParallel.init: these params have a different structure, shapes or dtypes "
@@ -210,12 +213,16 @@ class DataParallel:
             opt_state=jax.tree.map(lambda x: shard if x.ndim >= 1 else rep, abstract.opt_state),
         )
 
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Any, example_batch: Any = None) -> TrainState:
         """Build the layout and the sharded :class:`TrainState` from a full params pytree.
 
-        Works under ``jax.eval_shape`` (then nothing is allocated).
+        Works under ``jax.eval_shape`` (then nothing is allocated). ``example_batch`` (a global
+        batch like ``step``'s, arrays or ``jax.ShapeDtypeStruct``; only shapes are used) lets
+        ``zero_stage=3`` detect scanned layer stacks and gather them one layer per scan
+        iteration (``DDPConfig.scan_layers``); without it only ``scan_param_patterns`` apply.
         """
-        self._layout = self._build_layout(params)
+        self._layout = self._build_layout(params, example_batch)
+        self._detected = example_batch is not None
         abstract = jax.eval_shape(self._init_fn, params)
         shardings = self._state_shardings(abstract)
         self._shardings = shardings
@@ -237,6 +244,9 @@ class DataParallel:
         )
 
     def _check_batch(self, batch: Any, local: bool = False) -> None:
+        if not getattr(self, "_detected", True):  # once: init got no batch to find stacks
+            self._detected = True
+            warn_if_undetected(self, batch)
         sig = _batch_signature(batch)
         if not sig:
             raise ValueError(

@@ -31,6 +31,7 @@ from ._config import DDPConfig
 from ._gather import gather_full, zero3_value_and_grad
 from ._layout import BucketLayout
 from ._reduce import finish_deferred, metric_sum, reduce_buckets, reduce_microbatch_buckets
+from ._zero3_scan import zero3_scan_value_and_grad
 from .nn._fusion import fused_value_and_grad
 
 __all__ = ["local_gradients", "loss_parts"]
@@ -111,7 +112,9 @@ def local_gradients(
         # params: this rank's shard view; every micro-batch gathers (and re-gathers in its
         # backward) each bucket, and the gather's transpose reduce-scatters its gradient.
         shards = layout.shard_unview(params)
-        z3_vg, z3_divisors = zero3_value_and_grad(parts, layout, cfg, num_microbatches=g)
+        # Layer stacks (layout.stacked) are gathered one layer per scan iteration instead.
+        z3 = zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad
+        z3_vg, z3_divisors = z3(parts, layout, cfg, num_microbatches=g)
         accs0 = varying(tuple(jnp.zeros((b.shard_numel,), acc_dt) for b in layout.buckets))
         flags0 = varying(tuple(jnp.zeros((len(b.slots),), jnp.float32) for b in layout.buckets))
         slot_pos = [(bi, j) for bi, b in enumerate(layout.buckets) for j, _ in enumerate(b.slots)]

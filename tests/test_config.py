@@ -42,6 +42,10 @@ BAD_VALUES = [
     ("bucket_layout", "ring", ValueError, "one of ('interleaved', 'megatron')"),
     ("gradient_accumulation_fusion", "yes", TypeError, "a bool"),
     ("overlap_param_gather", 1, TypeError, "a bool"),
+    ("scan_layers", "auto", TypeError, "a bool"),
+    ("scan_param_patterns", "layers/", TypeError, "(regex, stacked axis) pairs"),
+    ("scan_param_patterns", (("layers/", -1),), TypeError, "axis >= 0"),
+    ("scan_param_patterns", (("(", 0),), ValueError, "valid regular expressions"),
 ]
 
 
@@ -174,6 +178,7 @@ def test_yaml_round_trip(tmp_path):
         param_dtype="bfloat16",
         own_bucket_param_patterns=("*embedding*",),
         overlap_param_gather=True,
+        scan_param_patterns=(("^blocks/", 1),),
     )
     path = tmp_path / "c.yaml"
     cfg.to_yaml(path)
