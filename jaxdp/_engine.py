@@ -57,6 +57,9 @@ class TrainState(NamedTuple):
             leaf per parameter, flattened and zero-padded to a multiple of dp; megatron: one
             array per bucket), cast to ``param_dtype`` and sharded ``P(data_axis)``, so each
             rank holds ``1/dp`` of them between steps; the step gathers them bucket by bucket.
+            Scanned layer stacks at stage 3 (``BucketLayout.stacked``) are laid out per layer
+            instead (rank ``r``'s block is piece ``r`` of every layer) and gathered one layer
+            per scan iteration.
             Always the cast of ``master`` to the working dtype.
         master: fp32 master weights. ``None`` at stage 0 when the params are already fp32;
             replicated params-shaped tree at stage 0; at stages >= 1 the layout's sharded view

@@ -11,7 +11,9 @@ Runs inside ``jax.shard_map`` over the data axis (manual over that axis):
    every micro-batch into a sharded accumulator instead and divides once at the end. Stage 3
    receives the params as shards and differentiates through the per-bucket gathers of
    :mod:`jaxdp._gather`, whose transpose is that same reduce-scatter (every micro-batch);
-   with ``overlap_param_gather`` (stages 1-2) the shards are gathered once, up front;
+   with ``overlap_param_gather`` (stages 1-2) the shards are gathered once, up front. Scanned
+   layer stacks are gathered (and reduce-scattered) one layer per scan iteration instead
+   (:mod:`jaxdp._zero3_scan`);
 4. the metrics: mean loss (or per-token loss), aux outputs, the global fp32 gradient norm and,
    with ``check_for_nan_in_grad``, the number of ranks that saw a non-finite gradient per
    parameter.

@@ -2,8 +2,10 @@
 
 Numerics against the single-device reference use the tolerances of tests/test_zero3.py. The
 per-layer gather is the same collective as a bucket's, on a per-layer bucket, so the result must
-also be bit-identical to the same scanned model with ``scan_layers=False`` (the stacks gathered
-whole, with their bucket).
+also equal the same scanned model with ``scan_layers=False`` (the stacks gathered whole, with
+their bucket) to fp32 rounding: XLA:CPU's excess-precision rewrites (it may skip a bf16 rounding of
+a local gradient fused with its fp32 cast) differ between the two programs by 1 fp32 ulp in a few
+elements; often the results are bitwise equal.
 """
 
 import jax
@@ -36,7 +38,7 @@ def test_stage3_scan_parity(model, g, mode):
     [("scan_mlp", 4, "bf16"), ("scan_transformer", 4, "fp32-accum"), ("scan_mlp", 1, "fp32-wire")],
 )
 def test_scan_equals_whole_stack_gather(model, g, mode):
-    """Per-layer gathers and reduce-scatters: the same numbers as gathering the stack whole."""
+    """Per-layer gathers and reduce-scatters: the numbers of gathering the stack whole."""
     dp, s_scan, n_scan = _run(model, 3, g, mode, "several")
     whole, s_whole, n_whole = _run(model, 3, g, mode, "several", scan_layers=False)
     assert dp.layout.stacked and not whole.layout.stacked
@@ -44,7 +46,7 @@ def test_scan_equals_whole_stack_gather(model, g, mode):
     for a, b in zip(
         jax.tree.leaves(dp.params(s_scan)), jax.tree.leaves(whole.params(s_whole)), strict=True
     ):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8)
 
 
 def test_scanned_equals_unrolled_transformer():
@@ -156,3 +158,15 @@ def test_checkpoint_scanned_across_stages(tmp_path, src, dst):
         np.testing.assert_array_equal(w, m.astype(w.dtype))
     restored, metrics = dst_eng.step(restored, dst_eng.shard_batch(make_batch(48, seed=2)))
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_nan_check_names_the_stack():
+    dp = _engine(zero_stage=3, check_for_nan_in_grad=True, num_microbatches=2)
+    batch = make_batch(48)
+    state = dp.init(scan_mlp_params(), example_batch=batch)
+    state, _ = dp.step(state, dp.shard_batch(batch))
+    bad = dict(batch, x=batch["x"].at[5, 0].set(jnp.nan))  # one example on rank 0
+    with pytest.raises(FloatingPointError, match="stack/w") as info:
+        dp.step(state, dp.shard_batch(bad))
+    assert "on 1 of 8 ranks" in str(info.value)
+    assert int(info.value.state.step) == 1
