@@ -178,8 +178,10 @@ class DDPConfig:
             (possibly abstract) batch: a leaf is stacked when its every use is as ``xs`` of a
             scan (possibly after a transpose, a cast, inside ``jit``/``remat``), see
             :func:`jaxdp.find_scanned_axes`. Needs ``bucket_layout="interleaved"``. ``False``
-            gathers stacks whole, with their bucket, as any other parameter.
-        scan_param_patterns: Mark stacks by hand, for models where detection cannot see the
+            gathers stacks whole, with their bucket, as any other parameter (and ignores
+            ``scan_param_patterns``). Checkpoints restore across this setting.
+        scan_param_patterns: ``zero_stage=3`` with ``scan_layers`` only (ignored otherwise).
+            Mark stacks by hand, for models where detection cannot see the
             scan (layers sliced by hand, ``fori_loop``) or where ``init`` gets no batch:
             ``((regex, stacked axis), ...)`` (a mapping is accepted), matched with
             ``re.search`` against each leaf's ``"a/b/c"`` path, e.g.

@@ -170,3 +170,28 @@ def test_nan_check_names_the_stack():
         dp.step(state, dp.shard_batch(bad))
     assert "on 1 of 8 ranks" in str(info.value)
     assert int(info.value.state.step) == 1
+
+
+def test_nnx_scan_model():
+    """An nnx model whose blocks are built by nnx.vmap and run by nnx.scan."""
+    from flax import nnx
+    from test_scan_gather import NModel
+
+    graphdef, params = nnx.split(NModel(nnx.Rngs(0)), nnx.Param)
+
+    def loss_fn(p, b):
+        return nnx.merge(graphdef, p)(b["x"])
+
+    batch = {"x": jnp.asarray(np.random.default_rng(0).standard_normal((32, 5)), jnp.float32)}
+    runs = []
+    for scan in (True, False):
+        dp = _engine(loss_fn, zero_stage=3, num_microbatches=2, scan_layers=scan)
+        state = dp.init(params, example_batch=batch)
+        assert len(dp.layout.stacked) == (4 if scan else 0)
+        for _ in range(2):
+            state, m = dp.step(state, dp.shard_batch(batch))
+        runs.append((dp.params(state), float(m["loss"])))
+    (a, la), (b, lb) = runs
+    np.testing.assert_allclose(la, lb, rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-8)
