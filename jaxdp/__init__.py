@@ -32,6 +32,10 @@ from ._reduce import all_to_all_fp32_reduce_scatter as all_to_all_fp32_reduce_sc
 from ._reduce import reduce_buckets as reduce_buckets
 from ._reduce import reduce_gradients as reduce_gradients
 from ._reduce import ring_reduce_scatter as ring_reduce_scatter
+from ._scan_gather import find_scanned_axes as find_scanned_axes
+from ._scan_gather import find_scanned_leaves as find_scanned_leaves
+from ._scan_gather import gather_in_scans as gather_in_scans
+from ._scan_gather import stacked_by_path as stacked_by_path
 from ._xla_flags import apply_xla_flags as apply_xla_flags
 from ._xla_flags import combine_thresholds as combine_thresholds
 from ._xla_flags import xla_compiler_options as xla_compiler_options
@@ -57,6 +61,9 @@ __all__ = [
     "bucket_end_divisor",
     "default_bucket_size",
     "dp_size",
+    "find_scanned_axes",
+    "find_scanned_leaves",
+    "gather_in_scans",
     "make_mesh",
     "microbatches",
     "nn",
@@ -67,6 +74,7 @@ __all__ = [
     "reduce_buckets",
     "reduce_gradients",
     "ring_reduce_scatter",
+    "stacked_by_path",
     "xla_compiler_options",
     "xla_flags",
 ]

@@ -55,24 +55,24 @@ class _Slot:
         key_path: tuple[Any, ...],
         shape: tuple[int, ...],
         padded: int,
+        index: int,
         view_shape: tuple[int, ...] | None = None,
         convert: Any = None,
     ):
-        self.key_path, self.shape, self.padded = key_path, shape, padded
+        self.key_path, self.shape, self.padded, self.index = key_path, shape, padded, index
         # Params split over other mesh axes: [blocks, padded] views and the plan's converters.
         self.view_shape = (padded,) if view_shape is None else view_shape
         self.convert = convert
 
-    def from_view(self, v: Any) -> Any:
+    def from_view(self, layout: BucketLayout, v: Any) -> Any:
         if self.convert is not None:
             return self.convert[1](v)
-        return v[: self.size].reshape(self.shape)
+        return layout._leaf_from_global(self.index, v)  # a layer stack is kept per layer
 
-    def to_view(self, x: Any) -> Any:
+    def to_view(self, layout: BucketLayout, x: Any) -> Any:
         if self.convert is not None:
             return self.convert[0](x)
-        flat = jnp.ravel(x)
-        return jnp.pad(flat, (0, self.padded - self.size)) if self.padded > self.size else flat
+        return layout._leaf_to_global(self.index, x)
 
     @property
     def size(self) -> int:
@@ -102,6 +102,7 @@ def _slot_keys(layout: BucketLayout, plan: Any = None) -> list[_Slot]:
                 kp,
                 ls.shape,
                 (s.end - s.start) * layout.dp_size,
+                i,
                 views[i],
                 (
                     functools.partial(plan.leaf_to_view, i, layout),
@@ -111,8 +112,8 @@ def _slot_keys(layout: BucketLayout, plan: Any = None) -> list[_Slot]:
             for i, (kp, s, ls) in enumerate(zip(kps, layout.slots, plan.leaves, strict=True))
         ]
     return [
-        _Slot(kp, s.shape, (s.end - s.start) * layout.dp_size)
-        for kp, s in zip(kps, layout.slots, strict=True)
+        _Slot(kp, s.shape, (s.end - s.start) * layout.dp_size, i)
+        for i, (kp, s) in enumerate(zip(kps, layout.slots, strict=True))
     ]
 
 
@@ -445,7 +446,7 @@ def _opt_from_view(opt: Any, master_view: Any, layout: BucketLayout, plan: Any =
         s = _slot_for(path, slots)
         if s is None or x.shape != s.view_shape:
             return x
-        return s.from_view(x)
+        return s.from_view(layout, x)
 
     return jax.tree_util.tree_map_with_path(conv, opt)
 
@@ -474,7 +475,7 @@ def _opt_to_view(opt: Any, view_opt: Any, layout: BucketLayout, plan: Any = None
         s = _slot_for(path, slots)
         if s is None or v.shape != s.view_shape:
             return x
-        return s.to_view(x)
+        return s.to_view(layout, x)
 
     return jax.tree_util.tree_map_with_path(conv, opt, view_opt)
 

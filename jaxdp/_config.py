@@ -13,6 +13,7 @@ import difflib
 import fnmatch
 import math
 import os
+import re
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -41,6 +42,27 @@ def default_bucket_size(dp_size: int) -> int:
 
 def _err(field: str, value: Any, expected: str, fix: str, exc: type[Exception] = ValueError):
     return exc(f"DDPConfig.{field}: got {value!r}; expected {expected}. Fix: {fix}")
+
+
+def _scan_patterns(rules: Any) -> tuple[tuple[str, int], ...]:
+    """Validate ``scan_param_patterns``: ``((regex, axis), ...)`` or a ``{regex: axis}`` map."""
+    field, fix = "scan_param_patterns", "pass e.g. scan_param_patterns=(('layers/', 0),)"
+    if isinstance(rules, dict):
+        rules = tuple(rules.items())
+    if isinstance(rules, str) or not isinstance(rules, (tuple, list)):
+        raise _err(field, rules, "a tuple of (regex, stacked axis) pairs", fix, TypeError)
+    out = []
+    for r in rules:
+        ok = isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) and r[0]
+        ax = r[1] if ok else None
+        if not ok or isinstance(ax, bool) or not isinstance(ax, (int, np.integer)) or ax < 0:
+            raise _err(field, rules, "(non-empty regex, axis >= 0) pairs", f"fix {r!r}", TypeError)
+        try:
+            re.compile(r[0])
+        except re.error as e:
+            raise _err(field, rules, f"valid regular expressions ({r[0]!r}: {e})", fix) from e
+        out.append((r[0], int(ax)))
+    return tuple(out)
 
 
 def _check_bool(field: str, value: Any) -> None:
@@ -157,6 +179,26 @@ class DDPConfig:
             e.g. ``("*/experts/*",)``; a matching param without a sharding over
             ``expert_axis`` is split over it on its first (expert) dimension. Params already
             split over ``expert_axis`` are expert params whether or not they match.
+        scan_layers: ``zero_stage=3`` only. Gather parameters stacked ``[L, ...]`` for a
+            ``lax.scan`` (flax ``nn.scan``, ``nnx.scan``, a raw ``lax.scan`` over layers) one
+            layer per scan iteration, in the forward loop and again in the backward loop,
+            instead of the whole stack at once; each such leaf is stored per layer (rank ``r``
+            holds piece ``r`` of every layer) in a bucket of its own, and its gradient is
+            reduce-scattered per layer with the same numerics as a bucket. Stacks are found
+            automatically when ``DataParallel.init(params, example_batch=...)`` is given a
+            (possibly abstract) batch: a leaf is stacked when its every use is as ``xs`` of a
+            scan (possibly after a transpose, a cast, inside ``jit``/``remat``), see
+            :func:`jaxdp.find_scanned_axes`. Needs ``bucket_layout="interleaved"``. ``False``
+            gathers stacks whole, with their bucket, as any other parameter (and ignores
+            ``scan_param_patterns``). Checkpoints restore across this setting.
+        scan_param_patterns: ``zero_stage=3`` with ``scan_layers`` only (ignored otherwise).
+            Mark stacks by hand, for models where detection cannot see the
+            scan (layers sliced by hand, ``fori_loop``) or where ``init`` gets no batch:
+            ``((regex, stacked axis), ...)`` (a mapping is accepted), matched with
+            ``re.search`` against each leaf's ``"a/b/c"`` path, e.g.
+            ``(("layers/", 0),)`` or ``(("^params/ScanBlock_0/", 1),)`` for
+            ``nn.scan(variable_axes={"params": 1})``. The first matching rule wins over
+            detection; a pattern that matches no leaf is an error at ``init``.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -187,6 +229,8 @@ class DDPConfig:
     overlap_param_gather: bool = False
     expert_axis: str | None = None
     expert_param_patterns: tuple[str, ...] = ()
+    scan_layers: bool = True
+    scan_param_patterns: tuple[tuple[str, int], ...] = ()
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -350,6 +394,8 @@ class DDPConfig:
                     TypeError,
                 )
         object.__setattr__(self, "expert_param_patterns", tuple(epats))
+        _check_bool("scan_layers", self.scan_layers)
+        object.__setattr__(self, "scan_param_patterns", _scan_patterns(self.scan_param_patterns))
 
         if self.bucket_layout not in _LAYOUTS:
             raise _err(
@@ -401,6 +447,17 @@ class DDPConfig:
                 "gradients are not supported through it yet",
                 "use zero_stage=2 with gradient_accumulation_fusion=True, or drop the fusion at "
                 "zero_stage=3",
+            )
+        if (
+            self.scan_param_patterns
+            and self.zero_stage == 3
+            and self.bucket_layout != "interleaved"
+        ):
+            raise _err(
+                "scan_param_patterns",
+                self.scan_param_patterns,
+                "bucket_layout='interleaved': per-layer stacks are laid out per rank and layer",
+                "use bucket_layout='interleaved', or drop scan_param_patterns",
             )
         if self.calculate_per_token_loss and self.average_in_collective:
             raise _err(
@@ -467,6 +524,7 @@ class DDPConfig:
         out = dataclasses.asdict(self)
         out["own_bucket_param_patterns"] = list(self.own_bucket_param_patterns)
         out["expert_param_patterns"] = list(self.expert_param_patterns)
+        out["scan_param_patterns"] = [list(r) for r in self.scan_param_patterns]
         return out
 
     @classmethod

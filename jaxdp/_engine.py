@@ -50,6 +50,7 @@ from ._multiaxis import (
 from ._optim_check import check_optimizer
 from ._step import _batch_signature, _Step
 from ._update import gather_params, optimizer_update
+from ._zero3_scan import find_stacks, warn_if_undetected
 
 __all__ = ["DataParallel", "TrainState"]
 
@@ -65,6 +66,9 @@ class TrainState(NamedTuple):
             leaf per parameter, flattened and zero-padded to a multiple of dp; megatron: one
             array per bucket), cast to ``param_dtype`` and sharded ``P(data_axis)``, so each
             rank holds ``1/dp`` of them between steps; the step gathers them bucket by bucket.
+            Scanned layer stacks at stage 3 (``BucketLayout.stacked``) are laid out per layer
+            instead (rank ``r``'s block is piece ``r`` of every layer) and gathered one layer
+            per scan iteration.
             Always the cast of ``master`` to the working dtype.
         master: fp32 master weights. ``None`` at stage 0 when the params are already fp32;
             replicated params-shaped tree at stage 0; at stages >= 1 the layout's sharded view
@@ -178,9 +182,16 @@ class DataParallel:
     def _multi(self) -> bool:  # params split over a non-data axis, or an expert axis
         return self._plan is not None and not self._plan.trivial
 
-    def _build_layout(self, params: Any, param_specs: Any = None) -> BucketLayout:
+    def _build_layout(
+        self, params: Any, param_specs: Any = None, example_batch: Any = None
+    ) -> BucketLayout:
         plan = read_plan(params, self.mesh, self.config, param_specs, self._plan)
-        layout = layout_for(plan, params, self.config, self.dp)
+        if plan.trivial:
+            prev = dict(self._layout.stacked) if self._layout is not None else None
+            stacks = find_stacks(self.loss_fn, params, example_batch, self.config, self.dp, prev)
+            layout = BucketLayout.from_params(params, self.config, self.dp, stacked=stacks)
+        else:
+            layout = layout_for(plan, params, self.config, self.dp)
         if self._layout is not None and self._layout != layout:
             raise ValueError(
                 "DataParallel.init: these params have a different structure, shapes or dtypes "
@@ -244,15 +255,22 @@ class DataParallel:
             opt_state=jax.tree.map(lambda x: shard if x.ndim >= 1 else rep, abstract.opt_state),
         )
 
-    def init(self, params: Any, *, param_specs: Any = None) -> TrainState:
+    def init(
+        self, params: Any, example_batch: Any = None, *, param_specs: Any = None
+    ) -> TrainState:
         """Build the layout and the sharded :class:`TrainState` from a full params pytree.
 
-        Works under ``jax.eval_shape`` (then nothing is allocated). On a multi-axis mesh each
-        param keeps the ``NamedSharding`` it carries over the non-data axes (tensor
-        parallelism), or the ``PartitionSpec`` given for it in ``param_specs`` (a pytree like
-        ``params``; needed under ``jax.eval_shape`` the first time, as tracers carry none).
+        Works under ``jax.eval_shape`` (then nothing is allocated). ``example_batch`` (a global
+        batch like ``step``'s, arrays or ``jax.ShapeDtypeStruct``; only shapes are used) lets
+        ``zero_stage=3`` detect scanned layer stacks and gather them one layer per scan
+        iteration (``DDPConfig.scan_layers``); without it only ``scan_param_patterns`` apply.
+        On a multi-axis mesh each param keeps the ``NamedSharding`` it carries over the non-data
+        axes (tensor parallelism), or the ``PartitionSpec`` given for it in ``param_specs`` (a
+        pytree like ``params``; needed under ``jax.eval_shape`` the first time, as tracers
+        carry none).
         """
-        self._layout = self._build_layout(params, param_specs)
+        self._layout = self._build_layout(params, param_specs, example_batch)
+        self._detected = example_batch is not None
         abstract = jax.eval_shape(self._init_fn, params)
         shardings = self._state_shardings(abstract)
         self._shardings = shardings
@@ -274,6 +292,9 @@ class DataParallel:
         )
 
     def _check_batch(self, batch: Any, local: bool = False) -> None:
+        if not getattr(self, "_detected", True):  # once: init got no batch to find stacks
+            self._detected = True
+            warn_if_undetected(self, batch)
         sig = _batch_signature(batch)
         if not sig:
             raise ValueError(

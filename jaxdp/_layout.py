@@ -35,6 +35,7 @@ import numpy as np
 
 from ._config import DDPConfig
 from ._padding import pad_bucket_end, pad_param_start
+from ._stacked import rows_to_stack, stack_to_rows
 
 __all__ = ["BucketLayout", "Bucket", "Buffer", "ParamSlot", "path_str"]
 
@@ -181,6 +182,9 @@ class BucketLayout:
         slots: one :class:`ParamSlot` per leaf, in leaf order.
         buffers: the :class:`Buffer` objects.
         buckets: the :class:`Bucket` objects, buffer by buffer.
+        stacked: ``((leaf index, stacked axis), ...)`` of scanned layer stacks laid out per
+            layer (:mod:`jaxdp._stacked`; ZeRO-3 gathers them one layer per scan iteration).
+            Each gets a bucket of its own; empty unless given to :meth:`from_params`.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -201,6 +205,7 @@ class BucketLayout:
     slots: tuple[ParamSlot, ...]
     buffers: tuple[Buffer, ...]
     buckets: tuple[Bucket, ...]
+    stacked: tuple[tuple[int, int], ...] = ()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -209,6 +214,7 @@ class BucketLayout:
         params: Any,
         config: DDPConfig,
         dp_size: int,
+        stacked: Any = None,
         *,
         shard_axes: tuple[tuple[str, ...], ...] | None = None,
     ) -> BucketLayout:
@@ -221,6 +227,8 @@ class BucketLayout:
                 ``pad_buckets_for_high_nccl_busbw``, ``own_bucket_param_patterns`` and
                 ``bucket_layout``.
             dp_size: number of data-parallel ranks (>= 1).
+            stacked: optional ``{leaf index: stacked axis}`` of layer stacks to lay out per
+                layer (interleaved layouts only; each gets a bucket of its own).
             shard_axes: per leaf, the non-data mesh axes it is split over (tensor
                 parallelism); ``params`` then holds the per-rank blocks and leaves with
                 different ``shard_axes`` go into different buffers. ``None``: all replicated.
@@ -247,6 +255,12 @@ class BucketLayout:
         else:
             kind = config.bucket_layout
         bucket_size = config.resolve_bucket_size(dp_size)
+        stacked = dict(stacked or {})
+        if stacked and kind != "interleaved":
+            raise ValueError(
+                f"BucketLayout.from_params: per-layer stacks need the interleaved layout; got "
+                f"bucket_layout={kind!r}. Fix: bucket_layout='interleaved' or scan_layers=False."
+            )
 
         if shard_axes is None:
             shard_axes = ((),) * len(leaves)
@@ -261,7 +275,16 @@ class BucketLayout:
             shape, dtype = _leaf_info(path, leaf)
             work = config.param_dtype or dtype
             grad = "float32" if config.grad_reduce_in_fp32 else work
-            infos.append((i, path, shape, dtype, work, grad, config.owns_bucket(path)))
+            own_bucket = config.owns_bucket(path)
+            if i in stacked:
+                ax = stacked[i]
+                if not 0 <= ax < len(shape):
+                    raise ValueError(
+                        f"BucketLayout.from_params: stacked axis {ax} of {path!r} is out of "
+                        f"range for its shape {shape}."
+                    )
+                own_bucket = True
+            infos.append((i, path, shape, dtype, work, grad, own_bucket))
 
         groups: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
         for info in infos:
@@ -274,7 +297,7 @@ class BucketLayout:
             bidx = len(buffers)
             first_bucket = len(buckets)
             placed, spans = _place(
-                [(m[2], m[6]) for m in reversed(members)],
+                [(_place_shape(m[2], stacked.get(m[0]), dp_size), m[6]) for m in reversed(members)],
                 kind,
                 dp_size,
                 bucket_size,
@@ -325,6 +348,7 @@ class BucketLayout:
             slots=tuple(s for s in slots if s is not None),
             buffers=tuple(buffers),
             buckets=tuple(buckets),
+            stacked=tuple(sorted(stacked.items())),
         )
 
     # ------------------------------------------------------------------ queries
@@ -400,10 +424,13 @@ class BucketLayout:
         return self._fill(b, {i: jnp.ravel(leaves[i]) for i in b.slots}, dt)
 
     def _pack_interleaved(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
-        dp, pieces = self.dp_size, {}
+        dp, pieces, stacked = self.dp_size, {}, dict(self.stacked)
         for i in b.slots:
             s = self.slots[i]
             k = s.end - s.start
+            if i in stacked:
+                pieces[i] = stack_to_rows(leaves[i], stacked[i], dp)
+                continue
             flat = jnp.ravel(leaves[i])
             if dp * k > s.size:
                 flat = jnp.pad(flat, (0, dp * k - s.size))
@@ -433,7 +460,7 @@ class BucketLayout:
                 for i in b.slots:
                     s = self.slots[i]
                     cols = mat[:, s.start - b.start : s.end - b.start]
-                    leaves[i] = cols.reshape(-1)[: s.size].reshape(s.shape)
+                    leaves[i] = self._leaf_from_global(i, cols.reshape(-1))
             else:
                 for i in b.slots:
                     s = self.slots[i]
@@ -486,14 +513,26 @@ class BucketLayout:
         if self.kind == "megatron":
             return self.pack(tree, dtype)
         leaves = self._check_tree(tree, "to_global_view")
-        out = []
-        for s, leaf in zip(self.slots, leaves, strict=True):
-            flat = jnp.ravel(leaf)
-            if dtype is not None:
-                flat = flat.astype(dtype)
-            padded = (s.end - s.start) * self.dp_size
-            out.append(jnp.pad(flat, (0, padded - s.size)) if padded > s.size else flat)
+        out = [self._leaf_to_global(i, leaf, dtype) for i, leaf in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def _leaf_to_global(self, i: int, leaf: Any, dtype: Any = None) -> Any:
+        """Leaf ``i`` (params-shaped) -> its 1-D global shard view (interleaved layouts)."""
+        s, stacked = self.slots[i], dict(self.stacked)
+        if dtype is not None:
+            leaf = jnp.asarray(leaf).astype(dtype)
+        if i in stacked:
+            return stack_to_rows(leaf, stacked[i], self.dp_size).reshape(-1)
+        flat = jnp.ravel(leaf)
+        padded = (s.end - s.start) * self.dp_size
+        return jnp.pad(flat, (0, padded - s.size)) if padded > s.size else flat
+
+    def _leaf_from_global(self, i: int, flat: Any) -> Any:
+        """Inverse of :meth:`_leaf_to_global`."""
+        s, stacked = self.slots[i], dict(self.stacked)
+        if i in stacked:
+            return rows_to_stack(flat, s.shape, stacked[i], self.dp_size)
+        return flat[: s.size].reshape(s.shape)
 
     def from_global_view(self, view: Any) -> Any:
         """Inverse of :meth:`to_global_view`: global shard view -> params-shaped pytree."""
@@ -501,7 +540,7 @@ class BucketLayout:
         if self.kind == "megatron":
             return self.unpack(tuple(view))
         leaves = jax.tree_util.tree_leaves(view)
-        out = [leaf[: s.size].reshape(s.shape) for s, leaf in zip(self.slots, leaves, strict=True)]
+        out = [self._leaf_from_global(i, leaf) for i, leaf in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
     # ------------------------------------------------------------------ report
@@ -534,6 +573,14 @@ class BucketLayout:
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+def _place_shape(shape: tuple[int, ...], axis: int | None, dp: int) -> tuple[int, ...]:
+    """The shape :func:`_place` sizes a leaf by: a stack needs ``L * ceil(n / dp)`` columns."""
+    if axis is None:
+        return shape
+    n = math.prod(shape) // shape[axis] if shape[axis] else 0
+    return (shape[axis] * -(-n // dp) * dp,)
 
 
 def _place(

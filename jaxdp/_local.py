@@ -11,7 +11,9 @@ Runs inside ``jax.shard_map`` over the data axis (manual over that axis):
    every micro-batch into a sharded accumulator instead and divides once at the end. Stage 3
    receives the params as shards and differentiates through the per-bucket gathers of
    :mod:`jaxdp._gather`, whose transpose is that same reduce-scatter (every micro-batch);
-   with ``overlap_param_gather`` (stages 1-2) the shards are gathered once, up front;
+   with ``overlap_param_gather`` (stages 1-2) the shards are gathered once, up front. Scanned
+   layer stacks are gathered (and reduce-scattered) one layer per scan iteration instead
+   (:mod:`jaxdp._zero3_scan`);
 4. the metrics: mean loss (or per-token loss), aux outputs, the global fp32 gradient norm and,
    with ``check_for_nan_in_grad``, the number of ranks that saw a non-finite gradient per
    parameter.
@@ -32,6 +34,7 @@ from ._gather import gather_full, zero3_value_and_grad
 from ._layout import BucketLayout
 from ._nested import PlainOps
 from ._reduce import finish_deferred, metric_sum
+from ._zero3_scan import zero3_scan_value_and_grad
 from .nn._fusion import fused_value_and_grad
 
 __all__ = ["local_gradients", "loss_parts"]
@@ -116,7 +119,9 @@ def local_gradients(
         # params: this rank's shard view; every micro-batch gathers (and re-gathers in its
         # backward) each bucket, and the gather's transpose reduce-scatters its gradient.
         shards = layout.shard_unview(params)
-        z3_vg, z3_divisors = zero3_value_and_grad(parts, layout, cfg, num_microbatches=g)
+        # Layer stacks (layout.stacked) are gathered one layer per scan iteration instead.
+        z3 = zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad
+        z3_vg, z3_divisors = z3(parts, layout, cfg, num_microbatches=g)
         accs0 = varying(tuple(jnp.zeros((b.shard_numel,), acc_dt) for b in layout.buckets))
         flags0 = varying(tuple(jnp.zeros((len(b.slots),), jnp.float32) for b in layout.buckets))
         slot_pos = [(bi, j) for bi, b in enumerate(layout.buckets) for j, _ in enumerate(b.slots)]

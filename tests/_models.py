@@ -72,3 +72,32 @@ def max_rel_err(a, b):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     ]
     return max(errs)
+
+
+def scan_mlp_params(seed: int = 0, layers: int = 4, width: int = 16, sizes=(6, 4)):
+    """An MLP whose hidden layers are one ``[layers, ...]`` stack run by a raw ``lax.scan``."""
+    rng = np.random.default_rng(seed)
+
+    def dense(a, b, lead=()):
+        return {
+            "w": jnp.asarray(rng.standard_normal((*lead, a, b)) / np.sqrt(a), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((*lead, b)) * 0.1, jnp.float32),
+        }
+
+    return {
+        "inp": dense(sizes[0], width),
+        "stack": dense(width, width, (layers,)),
+        "out": dense(width, sizes[1]),
+    }
+
+
+def scan_mlp_loss(params, batch):
+    dt = params["inp"]["w"].dtype
+    x = jnp.tanh(batch["x"].astype(dt) @ params["inp"]["w"] + params["inp"]["b"])
+
+    def layer(h, p):
+        return jnp.tanh(h @ p["w"] + p["b"]), None
+
+    x, _ = jax.lax.scan(layer, x, params["stack"])
+    pred = x @ params["out"]["w"] + params["out"]["b"]
+    return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)

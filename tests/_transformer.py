@@ -67,3 +67,55 @@ def transformer_batches(n: int, steps: int, seed: int = 1):
         t[:, 1:] = np.where(rng.random((n, SEQ)) < 0.5, (t[:, :-1] + 1) % VOCAB, t[:, 1:])
         out.append({"tokens": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])})
     return out
+
+
+class _ScanBlock(linen.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    @linen.compact
+    def __call__(self, x, _):
+        return Block(self.dtype, name="block")(x), None
+
+
+class ScanTransformer(linen.Module):
+    """The same model with its blocks stacked by ``nn.scan`` (params ``[LAYERS, ...]`` at
+    ``param_axis``)."""
+
+    dtype: jnp.dtype = jnp.float32
+    param_axis: int = 0
+
+    @linen.compact
+    def __call__(self, tokens):
+        x = linen.Embed(VOCAB, WIDTH, dtype=self.dtype, param_dtype=self.dtype, name="wte")(tokens)
+        stack = linen.scan(
+            _ScanBlock,
+            variable_axes={"params": self.param_axis},
+            split_rngs={"params": True},
+            length=LAYERS,
+        )
+        x, _ = stack(self.dtype, name="blocks")(x, None)
+        x = linen.LayerNorm(dtype=self.dtype, param_dtype=self.dtype, name="ln_f")(x)
+        return linen.Dense(VOCAB, dtype=self.dtype, param_dtype=self.dtype, name="head")(x)
+
+
+def scan_transformer_params(seed: int = 0, param_axis: int = 0):
+    """The unrolled model's params (same seed), stacked: the two models compute the same."""
+    p = transformer_params(seed)
+    blocks = [p[f"block{i}"] for i in range(LAYERS)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs, axis=param_axis), *blocks)
+    rest = {k: v for k, v in p.items() if not k.startswith("block")}
+    return {**rest, "blocks": {"block": stacked}}
+
+
+def make_scan_transformer_loss(param_axis: int = 0):
+    def loss(params, batch):
+        dtype = jax.tree.leaves(params)[0].dtype
+        model = ScanTransformer(dtype, param_axis)
+        logits = model.apply({"params": params}, batch["tokens"]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
+
+    return loss
+
+
+scan_transformer_loss = make_scan_transformer_loss(0)

@@ -47,6 +47,10 @@ BAD_VALUES = [
     ("expert_axis", "data", ValueError, "a mesh axis other than data_axis='data'"),
     ("expert_param_patterns", "moe/*", TypeError, "wrap a single pattern in a tuple"),
     ("expert_param_patterns", ("ok", ""), TypeError, "non-empty pattern strings only"),
+    ("scan_layers", "auto", TypeError, "a bool"),
+    ("scan_param_patterns", "layers/", TypeError, "(regex, stacked axis) pairs"),
+    ("scan_param_patterns", (("layers/", -1),), TypeError, "axis >= 0"),
+    ("scan_param_patterns", (("(", 0),), ValueError, "valid regular expressions"),
 ]
 
 
@@ -179,6 +183,7 @@ def test_yaml_round_trip(tmp_path):
         param_dtype="bfloat16",
         own_bucket_param_patterns=("*embedding*",),
         overlap_param_gather=True,
+        scan_param_patterns=(("^blocks/", 1),),
     )
     path = tmp_path / "c.yaml"
     cfg.to_yaml(path)

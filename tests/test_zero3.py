@@ -15,8 +15,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_batch, max_rel_err, mlp_params, mse_loss, reference_train
-from _transformer import transformer_batches, transformer_loss, transformer_params
+from _models import (
+    make_batch,
+    max_rel_err,
+    mlp_params,
+    mse_loss,
+    reference_train,
+    scan_mlp_loss,
+    scan_mlp_params,
+)
+from _transformer import (
+    scan_transformer_loss,
+    scan_transformer_params,
+    transformer_batches,
+    transformer_loss,
+    transformer_params,
+)
 
 import jaxdp
 from jaxdp import CheckpointManager, DataParallel, DDPConfig
@@ -37,6 +51,19 @@ MODELS = {
         lambda n: transformer_batches(n, STEPS),
         300,
     ),
+    # scanned layer stacks (tests/test_zero3_scan.py): nn.scan and a raw lax.scan
+    "scan_transformer": (
+        scan_transformer_loss,
+        scan_transformer_params,
+        lambda n: transformer_batches(n, STEPS),
+        300,
+    ),
+    "scan_mlp": (
+        scan_mlp_loss,
+        scan_mlp_params,
+        lambda n: [make_batch(n, seed=s) for s in range(STEPS)],
+        64,
+    ),
 }
 
 
@@ -44,7 +71,7 @@ def _opt(model, mode):
     # Adam normalises the update: where a gradient element sums to ~0 over ranks (in bf16, or
     # exactly, like the attention key bias of the transformer), rounding noise is scaled up to a
     # step of ~lr. Elsewhere we use momentum SGD, whose update error follows the gradient error.
-    if model == "mlp" and mode == "fp32":
+    if model in ("mlp", "scan_mlp") and mode == "fp32":
         return optax.adamw(1e-2, weight_decay=0.1)
     return optax.sgd(0.3, momentum=0.9)
 
@@ -91,9 +118,11 @@ def _run(model, stage, g, mode, buckets, ndev=8, **extra):
         **extra,
     )
     dp = DataParallel(loss_fn, _opt(model, mode), cfg, mesh=jaxdp.make_mesh(jax.devices()[:ndev]))
-    state = dp.init(make_params())
+    batches = make_batches(96)
+    # the example batch lets stage 3 find scanned layer stacks (nothing for unrolled models)
+    state = dp.init(make_params(), example_batch=batches[0])
     norms = []
-    for b in make_batches(96):
+    for b in batches:
         state, m = dp.step(state, dp.shard_batch(b))
         norms.append(float(m["grad_norm"]))
     return dp, state, norms

@@ -40,10 +40,11 @@ def _check_engine(fn: str, dp: Any) -> None:
         )
 
 
-def abstract_state(dp: DataParallel, params: Any) -> Any:
+def abstract_state(dp: DataParallel, params: Any, batch: Any = None) -> Any:
     """The engine's ``TrainState`` as ``ShapeDtypeStruct`` leaves carrying their shardings.
 
-    Runs ``jax.eval_shape(dp.init, params)`` (which also builds ``dp.layout``), so ``params``
+    Runs ``jax.eval_shape(dp.init, params, batch)`` (which also builds ``dp.layout``; the
+    optional example ``batch`` lets ``zero_stage=3`` find scanned layer stacks), so ``params``
     may itself be abstract. Nothing is allocated.
 
     Example:
@@ -56,7 +57,7 @@ def abstract_state(dp: DataParallel, params: Any) -> Any:
         ((64,), True)
     """
     _check_engine("abstract_state", dp)
-    abstract = jax.eval_shape(dp.init, params)
+    abstract = jax.eval_shape(lambda p: dp.init(p, example_batch=batch), params)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         abstract,
@@ -118,7 +119,7 @@ def compile_step(
         opts: dict[str, Any] | None = xla_compiler_options(dp.config, dp_size=dp.dp)
     else:
         opts = compiler_options
-    state = abstract_state(dp, params)
+    state = abstract_state(dp, params, batch)
     with warnings.catch_warnings():
         # Donation is meaningless without buffers; the lowering warns about unusable ones.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")

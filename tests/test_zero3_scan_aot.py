@@ -1,0 +1,108 @@
+"""ZeRO-3 with a scanned layer stack, compiled for 8 compile-only H100s.
+
+Skips without the ``gpu-aot`` extra, like test_zero3_aot.py. A bf16 MLP whose 8 hidden layers
+are one ``[8, ...]`` stack run by ``lax.scan``: the stack's all-gathers sit in the scan loops
+(forward, and the backward's re-gather), each moves one layer, the backward loop
+reduce-scatters one layer per iteration, and the peak temporary memory is about one layer's
+gathered params instead of the whole stack's (compared with ``scan_layers=False``).
+"""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from jaxdp import DataParallel, DDPConfig
+from jaxdp.aot import compile_step, h100_mesh, schedule_report
+
+HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+WIDTH, LAYERS, BATCH = 1024, 8, 64
+LAYER = WIDTH * WIDTH + WIDTH  # elements of one layer of the stack (w and b)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if not HAVE_PLUGIN:
+        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
+    try:
+        return h100_mesh(8)
+    except RuntimeError as e:  # e.g. a plugin/jaxlib version mismatch
+        pytest.skip(f"no compile-only H100 topology: {e}")
+
+
+def scan_mlp():
+    f32 = jnp.float32
+    params = {
+        "inp": {"w": jax.ShapeDtypeStruct((WIDTH, WIDTH), f32)},
+        "stack": {
+            "w": jax.ShapeDtypeStruct((LAYERS, WIDTH, WIDTH), f32),
+            "b": jax.ShapeDtypeStruct((LAYERS, WIDTH), f32),
+        },
+    }
+    batch = {
+        "x": jax.ShapeDtypeStruct((BATCH, WIDTH), f32),
+        "y": jax.ShapeDtypeStruct((BATCH, WIDTH), f32),
+    }
+
+    def loss_fn(p, b):
+        h = b["x"].astype(p["inp"]["w"].dtype) @ p["inp"]["w"]
+
+        def layer(h, q):
+            return jnp.tanh(h @ q["w"] + q["b"]), None
+
+        h, _ = jax.lax.scan(layer, h, p["stack"])
+        return jnp.mean((h.astype(jnp.float32) - b["y"]) ** 2)
+
+    return loss_fn, params, batch
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["G1", "G4"])
+def compiled(mesh, request):
+    loss_fn, params, batch = scan_mlp()
+    out = {}
+    for scan in (True, False):
+        cfg = DDPConfig(
+            zero_stage=3, param_dtype="bfloat16", scan_layers=scan, num_microbatches=request.param
+        )
+        dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
+        exe = compile_step(dp, params, batch)
+        out[scan] = (dp, schedule_report(exe), exe.memory_analysis())
+    return request.param, out
+
+
+def test_stack_gathered_per_layer_inside_the_loops(compiled):
+    g, runs = compiled
+    dp, report, _ = runs[True]
+    assert [dp.layout.slots[i].path for i, _ in dp.layout.stacked] == ["stack/b", "stack/w"]
+    ags = report.of_kind("all-gather")
+    layers = [c for c in ags if c.elements >= LAYER]
+    # per micro-batch (the peeled last one, and the micro-batch loop's body at G > 1): one
+    # all-gather in the forward layer loop and one in the backward layer loop, both layers of
+    # the stack packed into one collective, each in its own loop body
+    passes = 1 if g == 1 else 2
+    assert len(layers) == 2 * passes and not [c for c in layers if c.entry], report
+    assert len({c.computation for c in layers}) == 2 * passes, report
+    assert all(c.elements < 1.01 * LAYER and c.dtype == "bf16" for c in layers), report
+    # nothing anywhere gathers the stack (the unstacked "inp" bucket is smaller than a layer)
+    assert all(c.elements < 2 * LAYER for c in ags), report
+    # the gradient leaves the backward loop one layer at a time
+    rs = [c for c in report.of_kind("reduce-scatter") if c.elements >= LAYER]
+    assert len(rs) == passes and not [c for c in rs if c.entry], report
+    assert all(c.elements < 1.01 * LAYER for c in rs), report
+    whole, whole_report, _ = runs[False]
+    assert not whole.layout.stacked
+    assert all(c.elements > LAYERS * LAYER for c in whole_report.of_kind("all-gather")), (
+        whole_report
+    )
+
+
+def test_peak_temp_is_about_one_layer(compiled):
+    _, runs = compiled
+    _, _, mem = runs[True]
+    _, _, whole = runs[False]
+    stack_bf16 = LAYERS * LAYER * 2
+    # gathering the stack whole keeps all of it (bf16) alive; per layer saves most of that
+    saved = whole.temp_size_in_bytes - mem.temp_size_in_bytes
+    assert saved > 0.6 * stack_bf16, (mem.temp_size_in_bytes, whole.temp_size_in_bytes)
