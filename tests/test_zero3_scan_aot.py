@@ -82,8 +82,13 @@ def test_stack_gathered_per_layer_inside_the_loops(compiled):
     # all-gather in the forward layer loop and one in the backward layer loop, both layers of
     # the stack packed into one collective, each in its own loop body
     passes = 1 if g == 1 else 2
-    assert len(layers) == 2 * passes and not [c for c in layers if c.entry], report
-    assert len({c.computation for c in layers}) == 2 * passes, report
+    in_loop = [c for c in layers if not c.entry]
+    assert len(in_loop) == 2 * passes, report
+    assert len({c.computation for c in in_loop}) == 2 * passes, report
+    # At G = 1 jaxdp turns on XLA's pipelined all-gather: the loop prefetches the next layer,
+    # and the first layer's gather is peeled out into the entry computation (one layer each).
+    peeled = [c for c in layers if c.entry]
+    assert len(peeled) <= (2 if g == 1 else 0), report
     assert all(c.elements < 1.01 * LAYER and c.dtype == "bf16" for c in layers), report
     # nothing anywhere gathers the stack (the unstacked "inp" bucket is smaller than a layer)
     assert all(c.elements < 2 * LAYER for c in ags), report
