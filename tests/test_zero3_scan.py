@@ -195,3 +195,28 @@ def test_nnx_scan_model():
     np.testing.assert_allclose(la, lb, rtol=1e-6)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dp", [1, 3, 8])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_layout_stores_stacks_per_layer(dp, axis):
+    rng = np.random.default_rng(0)
+    params = {"s": jnp.asarray(rng.standard_normal((5, 4, 3)), jnp.float32), "w": jnp.ones((7,))}
+    layout = jaxdp.BucketLayout.from_params(params, DDPConfig(zero_stage=3), dp, {0: axis})
+    assert layout.stacked == ((0, axis),)
+    s = layout.slots[0]
+    assert layout.buckets[s.bucket].slots == (0,)  # a bucket of its own
+    n_layers = params["s"].shape[axis]
+    layer = np.moveaxis(np.asarray(params["s"]), axis, 0).reshape(n_layers, -1)
+    p = -(-layer.shape[1] // dp)
+    padded = np.pad(layer, ((0, 0), (0, dp * p - layer.shape[1])))
+    view = layout.to_global_view(params)["s"]
+    # rank r's contiguous block of the global view is piece r of every layer
+    for r in range(dp):
+        block = np.asarray(view).reshape(dp, n_layers, p)[r]
+        np.testing.assert_array_equal(block, padded[:, r * p : (r + 1) * p])
+    back = layout.from_global_view(layout.to_global_view(params))
+    unpacked = layout.unpack(layout.pack(params))
+    for tree in (back, unpacked):
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(a, b)
