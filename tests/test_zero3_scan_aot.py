@@ -94,8 +94,13 @@ def test_stack_gathered_per_layer_inside_the_loops(compiled):
     assert all(c.elements < 2 * LAYER for c in ags), report
     # the gradient leaves the backward loop one layer at a time
     rs = [c for c in report.of_kind("reduce-scatter") if c.elements >= LAYER]
-    assert len(rs) == passes and not [c for c in rs if c.entry], report
-    assert all(c.elements < 1.01 * LAYER for c in rs), report
+    assert len([c for c in rs if not c.entry]) == passes, report
+    assert all(c.elements < 1.01 * LAYER for c in rs if not c.entry), report
+    # G = 1: the pipeliner peels one backward iteration out of the loop; XLA's combiner may then
+    # merge that layer's reduce-scatter with the small "inp" bucket's (both at the very end)
+    peeled = [c for c in rs if c.entry]
+    assert len(peeled) <= (1 if g == 1 else 0), report
+    assert all(c.operands <= 2 and c.elements < 2.01 * LAYER for c in peeled), report
     whole, whole_report, _ = runs[False]
     assert not whole.layout.stacked
     assert all(c.elements > LAYERS * LAYER for c in whole_report.of_kind("all-gather")), (
