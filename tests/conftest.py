@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
 
+import importlib.util
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -8,6 +9,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", False)
 
@@ -18,3 +20,16 @@ def pytest_report_header(config):
 
 # Helper scripts run as subprocesses, not test modules (--doctest-modules would import them).
 collect_ignore = ["mp", "_models.py", "_fp32_property.py", "_gpt_nn.py", "_transformer.py"]
+
+
+@pytest.fixture(scope="session")
+def h100():
+    """8 compile-only H100 devices as a 1-D ``data`` mesh, or a skip without the gpu-aot extra."""
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
+    from jaxdp.aot import h100_mesh
+
+    try:
+        return h100_mesh(8)
+    except RuntimeError as e:  # e.g. a plugin/jaxlib version mismatch
+        pytest.skip(f"no compile-only H100 topology: {e}")

@@ -7,7 +7,6 @@ re-combine them), the configured wire dtypes, and backward compute between every
 collective's start and done except the last one's.
 """
 
-import importlib.util
 import re
 
 import jax
@@ -23,27 +22,20 @@ from jaxdp.aot import (
     compile_step,
     example_mlp,
     gradient_collectives,
-    h100_mesh,
     h100_topology,
     schedule_report,
     target_config,
 )
 from jaxdp.aot.__main__ import main as cli_main
 
-HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 WIDTH, LAYERS = 256, 8
 # two layers per bucket (w then b, in reverse order): 4 buckets for 8 layers
 BUCKET = 2 * WIDTH * (WIDTH + 1)
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if not HAVE_PLUGIN:
-        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
-    try:
-        return h100_mesh(8)
-    except RuntimeError as e:  # e.g. a plugin/jaxlib version mismatch
-        pytest.skip(f"no compile-only H100 topology: {e}")
+def mesh(h100):
+    return h100  # conftest.py: 8 compile-only H100s, or a skip
 
 
 MODES = {

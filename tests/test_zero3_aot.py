@@ -6,15 +6,12 @@ kept as a residual) and reduce-scattered once; with ``overlap_param_gather`` sta
 move from after the optimizer update into the forward pass.
 """
 
-import importlib.util
-
 import optax
 import pytest
 
 from jaxdp import DataParallel, DDPConfig
-from jaxdp.aot import compile_step, example_mlp, gradient_collectives, h100_mesh, schedule_report
+from jaxdp.aot import compile_step, example_mlp, gradient_collectives, schedule_report
 
-HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 WIDTH, LAYERS = 256, 8
 BUCKET = 2 * WIDTH * (WIDTH + 1)  # two layers per bucket: 4 buckets
 MODES = {
@@ -25,13 +22,8 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if not HAVE_PLUGIN:
-        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
-    try:
-        return h100_mesh(8)
-    except RuntimeError as e:  # e.g. a plugin/jaxlib version mismatch
-        pytest.skip(f"no compile-only H100 topology: {e}")
+def mesh(h100):
+    return h100  # conftest.py: 8 compile-only H100s, or a skip
 
 
 def compiled(mesh, stage, g=1, mode="bf16", **extra):

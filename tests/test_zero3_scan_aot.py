@@ -7,29 +7,21 @@ reduce-scatters one layer per iteration, and the peak temporary memory is about 
 gathered params instead of the whole stack's (compared with ``scan_layers=False``).
 """
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 from jaxdp import DataParallel, DDPConfig
-from jaxdp.aot import compile_step, h100_mesh, schedule_report
+from jaxdp.aot import compile_step, schedule_report
 
-HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 WIDTH, LAYERS, BATCH = 1024, 8, 64
 LAYER = WIDTH * WIDTH + WIDTH  # elements of one layer of the stack (w and b)
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if not HAVE_PLUGIN:
-        pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
-    try:
-        return h100_mesh(8)
-    except RuntimeError as e:  # e.g. a plugin/jaxlib version mismatch
-        pytest.skip(f"no compile-only H100 topology: {e}")
+def mesh(h100):
+    return h100  # conftest.py: 8 compile-only H100s, or a skip
 
 
 def scan_mlp():
