@@ -310,11 +310,17 @@ def test_checkpoint_across_stages(tmp_path, src, dst):
     eng = mk(n_src, c_src)
     state = eng.init(mlp_params())
     state, _ = eng.step(state, eng.shard_batch(make_batch(48)))
+    dst_eng = mk(n_dst, c_dst)
+    jax.eval_shape(dst_eng.init, mlp_params())
+    check_restores_exactly(tmp_path, eng, state, dst_eng)
+
+
+def check_restores_exactly(tmp_path, eng, state, dst_eng):
+    """Save ``state`` of ``eng``, restore it into ``dst_eng`` (already initialised), and check
+    the exported params are equal, the working params are their cast, and training goes on."""
     with CheckpointManager(tmp_path, eng) as ckpt:
         ckpt.save(1, state)
         ckpt.wait_until_finished()
-    dst_eng = mk(n_dst, c_dst)
-    jax.eval_shape(dst_eng.init, mlp_params())
     with CheckpointManager(tmp_path, dst_eng) as ckpt:
         restored = ckpt.restore()
     for a, b in zip(

@@ -15,10 +15,10 @@ import optax
 import pytest
 from _models import make_batch, scan_mlp_loss, scan_mlp_params
 from _transformer import LAYERS, make_scan_transformer_loss, scan_transformer_params
-from test_zero3 import _check_parity, _run
+from test_zero3 import _check_parity, _run, check_restores_exactly
 
 import jaxdp
-from jaxdp import CheckpointManager, DataParallel, DDPConfig
+from jaxdp import DataParallel, DDPConfig
 
 N_STACKED = {"scan_transformer": 12, "scan_mlp": 2}
 
@@ -138,26 +138,10 @@ def test_checkpoint_scanned_across_stages(tmp_path, src, dst):
     eng = _engine(ndev=n_src, **c_src)
     state = eng.init(scan_mlp_params(), example_batch=batch)
     state, _ = eng.step(state, eng.shard_batch(batch))
-    with CheckpointManager(tmp_path, eng) as ckpt:
-        ckpt.save(1, state)
-        ckpt.wait_until_finished()
     dst_eng = _engine(ndev=n_dst, **c_dst)
     jax.eval_shape(lambda p: dst_eng.init(p, example_batch=batch), scan_mlp_params())
-    with CheckpointManager(tmp_path, dst_eng) as ckpt:
-        restored = ckpt.restore()
-    stacked = bool(eng.layout.stacked) or bool(dst_eng.layout.stacked)
-    assert stacked
-    for a, b in zip(
-        jax.tree.leaves(eng.params(state)), jax.tree.leaves(dst_eng.params(restored)), strict=True
-    ):
-        np.testing.assert_array_equal(a, b)
-    work = restored.params
-    if dst_eng.config.shards_params:
-        work = dst_eng.layout.from_global_view(work)
-    for w, m in zip(jax.tree.leaves(work), jax.tree.leaves(dst_eng.params(restored)), strict=True):
-        np.testing.assert_array_equal(w, m.astype(w.dtype))
-    restored, metrics = dst_eng.step(restored, dst_eng.shard_batch(make_batch(48, seed=2)))
-    assert np.isfinite(float(metrics["loss"]))
+    assert eng.layout.stacked or dst_eng.layout.stacked
+    check_restores_exactly(tmp_path, eng, state, dst_eng)
 
 
 def test_nan_check_names_the_stack():
