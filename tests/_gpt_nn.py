@@ -67,12 +67,17 @@ def gpt_loss(dtype):
     return loss_fn
 
 
-def gpt_batches(n: int, steps: int, seed: int = 1):
+def token_batches(n: int, steps: int, vocab: int, seq: int, seed: int = 1):
+    """``steps`` batches of ``n`` token sequences (``tokens``, ``targets`` of length ``seq``)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
-        t = rng.integers(0, VOCAB, size=(n, SEQ + 1)).astype(np.int32)
-        # A learnable pattern: the next token is (token + 1) % VOCAB half of the time.
-        t[:, 1:] = np.where(rng.random((n, SEQ)) < 0.5, (t[:, :-1] + 1) % VOCAB, t[:, 1:])
+        t = rng.integers(0, vocab, size=(n, seq + 1)).astype(np.int32)
+        # A learnable pattern: the next token is (token + 1) % vocab half of the time.
+        t[:, 1:] = np.where(rng.random((n, seq)) < 0.5, (t[:, :-1] + 1) % vocab, t[:, 1:])
         out.append({"tokens": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])})
     return out
+
+
+def gpt_batches(n: int, steps: int, seed: int = 1):
+    return token_batches(n, steps, VOCAB, SEQ, seed)

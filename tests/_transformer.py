@@ -6,6 +6,7 @@ import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _gpt_nn import token_batches
 
 VOCAB, SEQ, WIDTH, HEADS, LAYERS = 16, 8, 16, 2, 4
 
@@ -60,13 +61,7 @@ def transformer_loss(params, batch):
 
 
 def transformer_batches(n: int, steps: int, seed: int = 1):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        t = rng.integers(0, VOCAB, size=(n, SEQ + 1)).astype(np.int32)
-        t[:, 1:] = np.where(rng.random((n, SEQ)) < 0.5, (t[:, :-1] + 1) % VOCAB, t[:, 1:])
-        out.append({"tokens": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])})
-    return out
+    return token_batches(n, steps, VOCAB, SEQ, seed)
 
 
 class _ScanBlock(linen.Module):
