@@ -52,7 +52,7 @@ CASES = [
 ]
 
 
-def build(mesh, stage, mode, g):
+def build(mesh, stage, mode, g, **extra):
     loss_fn, params, batch = example_mlp(LAYERS, WIDTH, batch=64)
     cfg = DDPConfig(
         zero_stage=stage,
@@ -60,6 +60,7 @@ def build(mesh, stage, mode, g):
         param_dtype="bfloat16",
         num_microbatches=g,
         **MODES[mode][0],
+        **extra,
     )
     dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
     return dp, params, batch

@@ -6,19 +6,10 @@ kept as a residual) and reduce-scattered once; with ``overlap_param_gather`` sta
 move from after the optimizer update into the forward pass.
 """
 
-import optax
 import pytest
+from test_aot import MODES, build, grad_kind
 
-from jaxdp import DataParallel, DDPConfig
-from jaxdp.aot import compile_step, example_mlp, gradient_collectives, schedule_report
-
-WIDTH, LAYERS = 256, 8
-BUCKET = 2 * WIDTH * (WIDTH + 1)  # two layers per bucket: 4 buckets
-MODES = {
-    "bf16": ({}, "reduce-scatter", "bf16"),
-    "fp32": ({"grad_reduce_in_fp32": True}, "reduce-scatter", "f32"),
-    "megatron": ({"reduce_scatter_with_fp32_accumulation": True}, "all-to-all", "bf16"),
-}
+from jaxdp.aot import compile_step, gradient_collectives, schedule_report
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +18,7 @@ def mesh(h100):
 
 
 def compiled(mesh, stage, g=1, mode="bf16", **extra):
-    loss_fn, params, batch = example_mlp(LAYERS, WIDTH, batch=64)
-    cfg = DDPConfig(
-        zero_stage=stage,
-        bucket_size=BUCKET,
-        param_dtype="bfloat16",
-        num_microbatches=g,
-        **MODES[mode][0],
-        **extra,
-    )
-    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
+    dp, params, batch = build(mesh, stage, mode, g, **extra)
     report = schedule_report(compile_step(dp, params, batch))
     assert len(dp.layout.buckets) == 4
     return dp, report
@@ -58,7 +40,7 @@ def param_gathers(report, dp, entry=True):
 def test_stage3_gathers_twice_and_reduces_once_per_bucket(mesh, mode):
     dp, report = compiled(mesh, 3, mode=mode)
     n = len(dp.layout.buckets)
-    _, kind, wire = MODES[mode]
+    kind, wire = grad_kind(3, mode), MODES[mode][1]
     ags = param_gathers(report, dp)
     assert len(ags) == 2 * n, report  # forward + the backward's re-gather, none combined
     assert all(c.is_async and c.dtype == "bf16" for c in ags), report
