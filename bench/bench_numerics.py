@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from _plots import plot_target
 
 from jaxdp import BucketLayout, DDPConfig, reduce_gradients, ring_reduce_scatter
 
@@ -149,10 +150,8 @@ def main(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     ns = (8, 12, 24, 64) if quick else NS
     per_rank = 2048 if quick else 8192
     res: dict[str, Any] = {"per_rank": per_rank, "rows": measure(ns, per_rank)}
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(plots or here, "numerics_vs_n.png")
+    path, res["plot"] = plot_target(plots, "numerics_vs_n.png")
     plot(res["rows"], path)
-    res["plot"] = os.path.relpath(path, os.path.dirname(here)) if plots is None else path
     res["markdown"] = markdown(res)
     return res
 

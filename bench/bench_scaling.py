@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step
+from _plots import plot_target
 
 import jaxdp
 
@@ -172,10 +173,8 @@ def main(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
         "rounds": rounds,
         "inner": inner,
     }
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(plots or here, "scaling.png")
+    path, res["plot"] = plot_target(plots, "scaling.png")
     plot(res["rows"], path)
-    res["plot"] = os.path.relpath(path, os.path.dirname(here)) if plots is None else path
     res["markdown"] = markdown(res)
     return res
 
