@@ -383,7 +383,7 @@ class DataParallel:
             params = jax.tree.map(lambda m, p: m.astype(p.dtype), new_target, state.params)
             master = new_target
         elif self._sharded:
-            params = gather_params(new_target, self.layout, cfg, self.mesh)
+            params = gather_params(new_target, self.layout, cfg, self.mesh, metrics["grad_norm"])
             master = new_target
         elif state.master is None:
             params, master = new_target, None

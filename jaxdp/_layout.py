@@ -450,22 +450,31 @@ class BucketLayout:
             )
         leaves: list[Any] = [None] * len(self.slots)
         for b, arr in zip(self.buckets, flat):
-            if tuple(jnp.shape(arr)) != (b.numel,):
-                raise ValueError(
-                    f"BucketLayout.unpack: bucket {b.index} has shape {tuple(jnp.shape(arr))}; "
-                    f"expected ({b.numel},)."
-                )
-            if self.kind == "interleaved":
-                mat = jnp.reshape(arr, (self.dp_size, b.numel // self.dp_size))
-                for i in b.slots:
-                    s = self.slots[i]
-                    cols = mat[:, s.start - b.start : s.end - b.start]
-                    leaves[i] = self._leaf_from_global(i, cols.reshape(-1))
-            else:
-                for i in b.slots:
-                    s = self.slots[i]
-                    leaves[i] = arr[s.start - b.start : s.end - b.start].reshape(s.shape)
+            for i, leaf in zip(b.slots, self.unpack_bucket(b, arr), strict=True):
+                leaves[i] = leaf
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def unpack_bucket(self, b: Bucket, arr: Any) -> list[Any]:
+        """One bucket's 1-D array -> the leaves of its parameters (in ``b.slots`` order)."""
+        if tuple(jnp.shape(arr)) != (b.numel,):
+            raise ValueError(
+                f"BucketLayout.unpack: bucket {b.index} has shape {tuple(jnp.shape(arr))}; "
+                f"expected ({b.numel},)."
+            )
+        if self.kind == "interleaved":
+            mat = jnp.reshape(arr, (self.dp_size, b.numel // self.dp_size))
+            return [
+                self._leaf_from_global(
+                    i, mat[:, self.slots[i].start - b.start : self.slots[i].end - b.start].ravel()
+                )
+                for i in b.slots
+            ]
+        return [
+            arr[self.slots[i].start - b.start : self.slots[i].end - b.start].reshape(
+                self.slots[i].shape
+            )
+            for i in b.slots
+        ]
 
     # ------------------------------------------------------------------ shards
     # A "shard view" is what a distributed optimizer sees. Locally (inside shard_map) it is

@@ -82,3 +82,20 @@ def test_overlap_param_gather_moves_the_gathers_into_the_forward(mesh, overlap):
         assert all(c.done_index < first_grad for c in ags), report
     else:  # after the reduce-scatters and the optimizer update
         assert all(c.start_index > last_grad for c in ags), report
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("g", [1, 4])
+def test_end_of_step_gathers_keep_no_second_copy_of_the_params(mesh, stage, g):
+    """Stages 1-2 gather the updated params bucket by bucket, each gather paired (an XLA
+    scheduling group) with splitting the previous bucket into its leaves. Without that XLA
+    started every gather first and split them all at the end: temporaries of at least a full
+    bf16 copy of the params (1,060,144 bytes here at G = 1, against 796,976 now)."""
+    dp, params, batch = build(mesh, stage, "bf16", g)
+    compiled = compile_step(dp, params, batch)
+    ags = param_gathers(schedule_report(compiled.as_text()), dp)
+    assert len(ags) == len(dp.layout.buckets)
+    assert all(b.start_index > a.done_index for a, b in zip(ags, ags[1:])), ags  # one by one
+    psi = sum(b.numel for b in dp.layout.buckets)
+    acc = 0 if g == 1 else (4 * psi if stage == 1 else 4 * psi // 8)  # the fp32 accumulator
+    assert compiled.memory_analysis().temp_size_in_bytes < 2 * psi + acc
