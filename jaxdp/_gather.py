@@ -205,8 +205,9 @@ def zero3_value_and_grad(
 ) -> tuple[Callable[..., Any], list[int]]:
     """Value-and-grad of ``parts(params, mb)`` for params held as local bucket shards.
 
-    Returns ``(vg, divisors)``: ``vg(shards, accs, flags, mb) -> ((loss, aux), (d_accs,
-    d_flags))`` where ``shards`` are this rank's bucket shards (working dtype), ``accs`` and
+    Returns ``(vg, divisors)``: ``vg(accs, flags, view, mb) -> ((loss, aux), (d_accs,
+    d_flags))`` where ``view`` is this rank's shard view of the working params
+    (:meth:`BucketLayout.shard_view`, working dtype), ``accs`` and
     ``flags`` zeros per bucket (``main_grads_dtype[shard_numel]``, ``float32[len(slots)]``);
     ``d_accs`` are the reduced gradient shards and ``d_flags`` the non-finite flags. With
     ``num_microbatches > 1`` the reductions are deferred (unscaled sums, as at stage 2):
@@ -225,7 +226,11 @@ def zero3_value_and_grad(
         for b in layout.buckets
     ]
 
-    def loss(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:
+    def loss(accs: Any, flags: Any, view: Any, mb: Any) -> Any:
+        # The bucket shards are assembled from the shard view in here, not by the caller: a
+        # concatenation is not saved for the backward pass (not_gathered_policy), so the
+        # backward pass assembles them again instead of keeping a copy alive between the two.
+        shards = layout.shard_unview(view)
         # Gather in forward order (bucket 0 holds the output end of the model, so the last
         # bucket's layers run first): the program order XLA's scheduler starts from.
         full = [None] * len(gathers)
