@@ -6,6 +6,8 @@ kept as a residual) and reduce-scattered once; with ``overlap_param_gather`` sta
 move from after the optimizer update into the forward pass.
 """
 
+import itertools
+
 import pytest
 from test_aot import MODES, build, grad_kind
 
@@ -95,7 +97,7 @@ def test_end_of_step_gathers_keep_no_second_copy_of_the_params(mesh, stage, g):
     compiled = compile_step(dp, params, batch)
     ags = param_gathers(schedule_report(compiled.as_text()), dp)
     assert len(ags) == len(dp.layout.buckets)
-    assert all(b.start_index > a.done_index for a, b in zip(ags, ags[1:])), ags  # one by one
+    assert all(b.start_index > a.done_index for a, b in itertools.pairwise(ags)), ags  # in turn
     psi = sum(b.numel for b in dp.layout.buckets)
     acc = 0 if g == 1 else (4 * psi if stage == 1 else 4 * psi // 8)  # the fp32 accumulator
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * psi + acc
