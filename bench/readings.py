@@ -124,9 +124,9 @@ def memory_gpu_reading(res: dict[str, Any]) -> str:
 **Reading the numbers.** This is the program the GPU would run (no XLA:CPU bf16 rewriting).
 Total ÷ (ZeRO formula + allowance) on the several-bucket rows: {cells}; {verdict}. The allowance
 is what no implementation avoids: the activations (measured on one device), two buckets of
-in-flight bf16 gradients and, with micro-batches, the fp32 accumulator the stage keeps. Where
-stage 2 exceeds its line, XLA's buffer assignment (`--xla_dump_to`) shows the cause: the
-all-gathered bf16 param buckets at the end of the step, live together before they are split
-into the parameter leaves (a scratch copy of the working params). Stage 3 and
-`overlap_param_gather` keep the params sharded between steps and gather them inside the next
-step instead."""
+in-flight bf16 gradients and, with micro-batches, the fp32 accumulator the stage keeps. What is
+left above it, in XLA's buffer assignment (`--xla_dump_to`): at stage 3 the gathered param
+buckets (a bucket stays alive until the last layer that reads it, two where a layer straddles
+buckets, a third prefetched in the micro-batch loop) and, at G = 4, about 2 MB of the temporary
+allocation left unused at the peak. Stages 1-2 gather the updated params bucket by bucket (an
+XLA scheduling group per bucket), so no full copy of them is alive at the end of the step."""

@@ -161,13 +161,13 @@ class DDPConfig:
             of after the optimizer update; the gathered params serve all micro-batches (one
             gather per bucket per step). Needs a distributed optimizer (``zero_stage >= 1``);
             ``zero_stage=3`` implies it (its params are always sharded and gathered at use).
-            Default ``False``, from the compiled 8-H100 program (8x1024 MLP, 4 buckets, bf16,
-            AdamW; ``jaxdp.aot``): at ``G = 1`` it overlaps every gather but the first with
-            forward GEMMs (at the end of the step they overlap only the optimizer's elementwise
-            update) and lowers the per-device total from 5.53 to 4.66 bytes/param, but with
-            ``G = 4`` the gathered params stay live through the micro-batch loop next to their
-            unpacked copies and the total grows (stage 1: 8.35 -> 9.79, stage 2: 6.27 -> 6.79
-            bytes/param). Turn it on for ``G = 1``.
+            Default ``False``, from the compiled 8-H100 program (``bench/bench_memory_gpu.py``:
+            4.2M-param MLP, 5 buckets, bf16, Adam): at ``G = 1`` it overlaps every gather but
+            the first with forward GEMMs (at the end of the step they overlap only splitting the
+            previous bucket) but the per-device total is 4.78 bytes/param against 4.60 without
+            it; with ``G = 4`` the gathered params stay live through the micro-batch loop next
+            to their unpacked copies (stage 1: 8.11 -> 10.32, stage 2: 5.76 -> 7.98). Turn it
+            on at ``G = 1`` when the exposed end-of-step gathers cost more than 0.2 B/param.
         expert_axis: Mesh axis that experts are distributed over (expert parallelism), or
             ``None``. The dense data-parallel group then spans ``data_axis`` and this axis (the
             batch is split over both); expert params (split over this axis, or matched by
