@@ -65,6 +65,16 @@ def reference_train(loss_fn, optimizer, params, batches, param_dtype=None, clip=
     return master, norms
 
 
+def train_steps(dp, state, batches):
+    """Run ``dp.step`` over ``batches``; returns the final state and each step's gradient norm
+    (the numbers a parity test compares with :func:`reference_train`'s)."""
+    norms = []
+    for b in batches:
+        state, m = dp.step(state, dp.shard_batch(b))
+        norms.append(float(m["grad_norm"]))
+    return state, norms
+
+
 def max_rel_err(a, b):
     """Largest per-leaf relative error ||a - b|| / ||b||."""
     errs = [

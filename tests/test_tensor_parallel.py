@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import max_rel_err, reference_train
+from _models import max_rel_err, reference_train, train_steps
 from _tp_models import (
     SPECS,
     compiled_collectives,
@@ -50,10 +50,7 @@ def test_parity_with_single_device(batches, stage, shape):
     ref, ref_norms = reference_train(tp_loss, opt, tp_params(), batches)
     state = dp.init(place(tp_params(), mesh))
     assert len(dp.layout.buckets) >= 3
-    norms = []
-    for b in batches:
-        state, m = dp.step(state, dp.shard_batch(b))
-        norms.append(float(m["grad_norm"]))
+    state, norms = train_steps(dp, state, batches)
     # fp32 throughout: only summation orders differ (per-rank partial sums, the model's own
     # row-parallel all-reduces), as in tests/test_engine_parity.py.
     assert max_rel_err(dp.params(state), ref) < 1e-6

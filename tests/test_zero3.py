@@ -23,6 +23,7 @@ from _models import (
     reference_train,
     scan_mlp_loss,
     scan_mlp_params,
+    train_steps,
 )
 from _transformer import (
     scan_transformer_loss,
@@ -121,10 +122,7 @@ def _run(model, stage, g, mode, buckets, ndev=8, **extra):
     batches = make_batches(96)
     # the example batch lets stage 3 find scanned layer stacks (nothing for unrolled models)
     state = dp.init(make_params(), example_batch=batches[0])
-    norms = []
-    for b in batches:
-        state, m = dp.step(state, dp.shard_batch(b))
-        norms.append(float(m["grad_norm"]))
+    state, norms = train_steps(dp, state, batches)
     return dp, state, norms
 
 
@@ -234,10 +232,7 @@ def test_stage3_nan_check_and_clipping():
     )
     dp = DataParallel(mse_loss, opt, cfg)
     state = dp.init(params)
-    norms = []
-    for b in batches:
-        state, m = dp.step(state, dp.shard_batch(b))
-        norms.append(float(m["grad_norm"]))
+    state, norms = train_steps(dp, state, batches)
     assert max_rel_err(dp.params(state), ref) < 1e-6
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     assert min(ref_norms) > 0.05  # clipping was active
