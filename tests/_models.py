@@ -75,6 +75,19 @@ def train_steps(dp, state, batches):
     return state, norms
 
 
+def capture_grads():
+    """An optax transformation that stores the gradient it is given and updates nothing:
+    after a step its state is that step's (reduced) gradient."""
+
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params)
+
+    def update(grads, state, params=None):
+        return jax.tree.map(jnp.zeros_like, grads), grads
+
+    return optax.GradientTransformation(init, update)
+
+
 def max_rel_err(a, b):
     """Largest per-leaf relative error ||a - b|| / ||b||."""
     errs = [

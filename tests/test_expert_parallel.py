@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import capture_grads
 from _tp_models import lowered_collectives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,18 +35,6 @@ def _example():
 
 def ep_mesh():
     return jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "expert"))
-
-
-def capture():
-    """An optax transformation whose state after a step is that step's gradient."""
-
-    def init(params):
-        return jax.tree.map(jnp.zeros_like, params)
-
-    def update(grads, state, params=None):
-        return jax.tree.map(jnp.zeros_like, grads), grads
-
-    return optax.GradientTransformation(init, update)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +74,7 @@ def test_gradients_equal_single_device_mean_over_tokens(setup, mode):
     per_token = kw.get("calculate_per_token_loss", False)
     cfg = DDPConfig(expert_axis="expert", expert_param_patterns=("moe/w_*",), **kw)
     loss = per_token_loss(ep) if per_token else ex.mse(ep)
-    dp = DataParallel(loss, capture(), cfg, mesh=ep_mesh())
+    dp = DataParallel(loss, capture_grads(), cfg, mesh=ep_mesh())
     state = dp.init(params)
     state, metrics = dp.step(state, dp.shard_batch(batch))
     grads = state.opt_state
@@ -189,7 +178,7 @@ def test_experts_with_tensor_parallel_dense_layers_on_a_3d_mesh(setup):
     specs["head"]["kernel"] = P("model", None)
     placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
     cfg = DDPConfig(expert_axis="expert", expert_param_patterns=("moe/w_*",))
-    dp = DataParallel(ex.mse(ep), capture(), cfg, mesh=mesh)
+    dp = DataParallel(ex.mse(ep), capture_grads(), cfg, mesh=mesh)
     state = dp.init(placed)
     state, _ = dp.step(state, dp.shard_batch(batch))
     want = jax.grad(ex.mse(ref))(params, batch)

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from _gpt_nn import gpt_batches, gpt_loss, gpt_params
-from _models import max_rel_err
+from _models import capture_grads, max_rel_err
 from flax import nnx
 
 from jaxdp import DataParallel, DDPConfig, nn
@@ -108,18 +108,6 @@ def test_gpt_scan_marks_only_jaxdp_kernels():
 
 
 # ---------------------------------------------------------------- numerics through the engine
-def capture_grads():
-    """An optax transformation that stores the gradient it is given and updates nothing."""
-
-    def init(params):
-        return jax.tree.map(jnp.zeros_like, params)
-
-    def update(grads, state, params=None):
-        return jax.tree.map(jnp.zeros_like, grads), grads
-
-    return optax.GradientTransformation(init, update)
-
-
 def reduced_grad(dp, state):
     g = state.opt_state
     return dp.layout.from_global_view(g) if dp.config.zero_stage >= 1 else g
