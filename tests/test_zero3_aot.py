@@ -1,17 +1,26 @@
 """The compiled ZeRO-3 / overlap_param_gather schedule on 8 compile-only H100s.
 
-Skips without the ``gpu-aot`` extra, like test_aot.py. An 8-layer bf16 MLP in 4 buckets: at
-stage 3 each bucket is all-gathered twice (forward, and again in the backward instead of being
-kept as a residual) and reduce-scattered once; with ``overlap_param_gather`` stage 1's gathers
-move from after the optimizer update into the forward pass.
+Skips without the ``gpu-aot`` extra, like test_aot.py. At stage 3 (a 4.2M-parameter bf16 MLP
+in 5 buckets) every parameter is all-gathered twice (forward, and again in the backward instead
+of being kept as a residual) and reduce-scattered once, in groups of at most one bucket; with
+``overlap_param_gather`` stage 1's gathers (an 8-layer MLP in 4 buckets) move from after the
+optimizer update into the forward pass.
 """
 
 import itertools
 
+import optax
 import pytest
 from test_aot import MODES, build, grad_kind
 
-from jaxdp.aot import compile_step, gradient_collectives, schedule_report
+from jaxdp import DataParallel, DDPConfig
+from jaxdp.aot import (
+    collective_roles,
+    compile_step,
+    example_mlp,
+    gradient_collectives,
+    schedule_report,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,38 +47,89 @@ def param_gathers(report, dp, entry=True):
     )
 
 
+def build_big(mesh, mode, g):
+    """Stage 3 on a 4.2M-parameter bf16 MLP (16 layers of 512) in 5 buckets: big enough that
+    XLA's scheduler overlaps every collective (the model of bench/bench_memory_gpu.py)."""
+    loss_fn, params, batch = example_mlp(16, 512, batch=256)
+    cfg = DDPConfig(
+        zero_stage=3,
+        bucket_size=1_000_000,
+        param_dtype="bfloat16",
+        num_microbatches=g,
+        **MODES[mode][0],
+    )
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
+    report = schedule_report(compile_step(dp, params, batch))
+    assert len(dp.layout.buckets) == 5
+    return dp, report
+
+
+def stage3_collectives(report, dp, entry=True):
+    """(param gathers, gradient collectives) of one region, each in schedule order."""
+    roles = collective_roles(report, dp)
+    mine = [(c, r) for c, r in zip(report.collectives, roles, strict=True) if c.entry == entry]
+    gathers = sorted((c for c, r in mine if r.startswith("param")), key=lambda c: c.start_index)
+    grads = sorted((c for c, r in mine if r.startswith("grad")), key=lambda c: c.start_index)
+    return gathers, grads
+
+
+def split_passes(gathers, moved):
+    """The gathers of the forward pass (the prefix that moves every parameter once) and those
+    of the backward pass (the rest)."""
+    total, k = 0, 0
+    while total < moved:
+        total += gathers[k].elements
+        k += 1
+    assert total == moved, [c.elements for c in gathers]
+    return gathers[:k], gathers[k:]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_stage3_gathers_twice_and_reduces_once_per_bucket(mesh, mode):
-    dp, report = compiled(mesh, 3, mode=mode)
-    n = len(dp.layout.buckets)
+def test_stage3_gathers_twice_and_reduces_once(mesh, mode):
+    """Every parameter is all-gathered twice (forward, and again in the backward instead of
+    being kept as a residual) and its gradient reduced once. Per-parameter collectives
+    (interleaved layout) are combined by XLA into groups of at most one bucket; fp32 wires and
+    the all-to-all of reduce_scatter_with_fp32_accumulation stay one per bucket."""
+    dp, report = build_big(mesh, mode, 1)
+    lay, n = dp.layout, len(dp.layout.buckets)
+    biggest = max(b.numel for b in lay.buckets)
+    moved = sum(lay.dp_size * (s.end - s.start) for s in lay.slots)  # every parameter, padded
     kind, wire = grad_kind(3, mode), MODES[mode][1]
-    ags = param_gathers(report, dp)
-    assert len(ags) == 2 * n, report  # forward + the backward's re-gather, none combined
-    assert all(c.is_async and c.dtype == "bf16" for c in ags), report
-    grads = gradient_collectives(report, dp)
-    assert len(grads) == n and all(c.kind == kind and c.dtype == wire for c in grads), report
-    forward, backward = ags[:n], ags[n:]
-    # the forward gathers are issued before the first gradient collective, the re-gathers after
-    # the forward (in the backward pass), and each bucket's gradient leaves through one
-    # collective overlapped with the backward except the last
+    gathers, grads = stage3_collectives(report, dp)
+    assert all(c.is_async and c.dtype == "bf16" and c.elements <= biggest for c in gathers)
+    forward, backward = split_passes(gathers, moved)
+    # the backward pass re-gathers what it needs: not the biases, and not the last layer's
+    # weight, whose forward gather XLA reuses (its backward starts right after the forward)
+    assert moved - biggest <= sum(c.elements for c in backward) < moved, report
+    assert n - 1 <= len(forward) <= 2 * n and n - 1 <= len(backward) <= 2 * n, report
+    assert all(c.kind == kind and c.dtype == wire for c in grads), report
+    if mode != "bf16":  # fp32 wire or all-to-all: one per bucket, its padding included
+        assert sorted(c.elements for c in grads) == sorted(b.numel for b in lay.buckets)
+    else:
+        assert sum(c.elements for c in grads) == moved and len(grads) <= 2 * n, report
+    # the forward gathers come before the first gradient collective, the re-gathers after the
+    # forward (in the backward pass); every forward gather but the first and every gradient
+    # collective but the last has compute between its start and its done
     assert max(c.done_index for c in forward) < min(c.start_index for c in grads), report
     assert min(c.start_index for c in backward) > forward[-1].done_index, report
     for c in forward[1:]:
-        assert c.compute_between >= 1, report
+        assert c.compute_between >= 1 and c.gemms_between >= 1, report
     for c in grads[:-1]:
         assert c.compute_between >= 1 and c.backward_between >= 1, report
     assert not [c for c in report.collectives if not c.entry], report  # G = 1: no loop
 
 
 def test_stage3_microbatches_gather_in_the_loop_too(mesh):
-    dp, report = compiled(mesh, 3, g=4)
-    n = len(dp.layout.buckets)
-    # micro-batches 1..G-1 in the scan, the last one peeled out: each has its own gathers
-    # and reduce-scatters into the sharded fp32 accumulator
-    assert len(param_gathers(report, dp, entry=True)) == 2 * n, report
-    assert len(param_gathers(report, dp, entry=False)) == 2 * n, report
-    loop_grads = [c for c in gradient_collectives(report, dp, entry_only=False) if not c.entry]
-    assert len(gradient_collectives(report, dp)) == n and len(loop_grads) == n, report
+    dp, report = build_big(mesh, "bf16", 4)
+    lay = dp.layout
+    moved = sum(lay.dp_size * (s.end - s.start) for s in lay.slots)
+    biggest = max(b.numel for b in lay.buckets)
+    # micro-batches 1..G-1 in the scan, the last one peeled out: each gathers every parameter
+    # twice and reduce-scatters its gradient into the sharded fp32 accumulator
+    for entry in (True, False):
+        gathers, grads = stage3_collectives(report, dp, entry=entry)
+        assert 2 * moved - biggest <= sum(c.elements for c in gathers) < 2 * moved, report
+        assert sum(c.elements for c in grads) == moved, report
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -95,9 +95,10 @@ def test_stack_gathered_per_layer_inside_the_loops(compiled):
     assert all(c.operands <= 2 and c.elements < 2.01 * LAYER for c in peeled), report
     whole, whole_report, _ = runs[False]
     assert not whole.layout.stacked
-    assert all(c.elements > LAYERS * LAYER for c in whole_report.of_kind("all-gather")), (
-        whole_report
-    )
+    # without scan_layers the stack's weight is gathered whole (per parameter, as every
+    # interleaved stage-3 bucket, so "inp" and the biases may travel in other collectives)
+    whole_ags = whole_report.of_kind("all-gather")
+    assert any(c.elements >= LAYERS * WIDTH * WIDTH for c in whole_ags), whole_report
 
 
 def test_peak_temp_is_about_one_layer(compiled):

@@ -128,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(dp.layout.buckets)} buckets of {config.bucket_size} elements"
     )
     console.print(report.table(title=title, roles=roles))
-    grads = [c for c, r in zip(report.collectives, roles, strict=True) if r == "grad bucket"]
+    grads = [
+        c
+        for c, r in zip(report.collectives, roles, strict=True)
+        if r in ("grad bucket", "grad group")
+    ]
     overlapped = sum(c.backward_between > 0 for c in grads)
     console.print(
         f"gradient collectives in ENTRY: {len(grads)} for {len(dp.layout.buckets)} buckets; "

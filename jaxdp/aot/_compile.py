@@ -135,23 +135,48 @@ def _grad_kinds(dp: DataParallel) -> tuple[str, ...]:
     return ("reduce-scatter",)
 
 
+_HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
+
+
+def _per_param_collectives(dp: DataParallel) -> bool:
+    """Stage 3 with an interleaved, unstacked layout gathers and reduces per parameter."""
+    lay = dp.layout
+    return dp.config.zero_stage == 3 and lay.kind == "interleaved" and not lay.stacked
+
+
 def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
-    """Label each collective of ``report``: ``"grad bucket"``, ``"param bucket"`` or ``""``.
+    """Label each collective of ``report``: ``"grad bucket"``, ``"param bucket"``,
+    ``"grad group"``, ``"param group"`` or ``""``.
 
     A gradient collective is one of the kind the config reduces with (all-reduce at stage 0,
     all-to-all with ``reduce_scatter_with_fp32_accumulation``, else reduce-scatter) moving
     exactly one bucket's elements; a param collective is an all-gather of one bucket. A
     collective that XLA combined from several buckets matches no bucket and gets ``""``.
+
+    At ``zero_stage=3`` with the interleaved layout jaxdp gathers and reduce-scatters each
+    parameter on its own (:func:`jaxdp._gather.make_leaf_gather`) and XLA's combiners merge
+    them into groups of at most one bucket (:func:`jaxdp.combine_thresholds`): an all-gather in
+    the working dtype, or a gradient collective in the wire dtype, of at most the largest
+    bucket's elements is a ``"param group"`` / ``"grad group"``. Collectives of the micro-batch
+    loop get ``" (loop)"`` appended.
     """
     _check_engine("collective_roles", dp)
     numels = {b.numel for b in dp.layout.buckets}
+    biggest = max(numels)
     grad = _grad_kinds(dp)
+    groups = _per_param_collectives(dp)
+    wire = {_HLO_DTYPES.get(jnp.dtype(b.grad_dtype).name) for b in dp.layout.buckets}
+    work = {_HLO_DTYPES.get(jnp.dtype(b.dtype).name) for b in dp.layout.buckets}
     roles = []
     for c in report.collectives:
         if c.elements in numels and c.operands == 1 and c.kind in grad:
             roles.append("grad bucket")
         elif c.elements in numels and c.operands == 1 and c.kind == "all-gather":
             roles.append("param bucket")
+        elif groups and 0 < c.elements <= biggest and c.kind in grad and c.dtype in wire:
+            roles.append("grad group")
+        elif groups and 0 < c.elements <= biggest and c.kind == "all-gather" and c.dtype in work:
+            roles.append("param group")
         else:
             roles.append("")
         if roles[-1] and not c.entry:
@@ -162,7 +187,8 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
 def gradient_collectives(
     report: ScheduleReport, dp: DataParallel, *, entry_only: bool = True
 ) -> tuple[Collective, ...]:
-    """The gradient-bucket collectives of ``report`` (see :func:`collective_roles`).
+    """The gradient collectives of ``report``: buckets and, at stage 3, groups of parameters
+    (see :func:`collective_roles`).
 
     With ``entry_only`` (default) only those of the ENTRY computation, i.e. of the last
     micro-batch: stage 2 with ``num_microbatches > 1`` also reduce-scatters inside the
@@ -172,7 +198,7 @@ def gradient_collectives(
     return tuple(
         c
         for c, r in zip(report.collectives, roles, strict=True)
-        if r.startswith("grad bucket") and (c.entry or not entry_only)
+        if r.startswith("grad") and (c.entry or not entry_only)
     )
 
 
