@@ -98,8 +98,8 @@ def test_stage3_gathers_twice_and_reduces_once(mesh, mode):
     gathers, grads = stage3_collectives(report, dp)
     assert all(c.is_async and c.dtype == "bf16" and c.elements <= biggest for c in gathers)
     forward, backward = split_passes(gathers, moved)
-    # the backward pass re-gathers what it needs: not the biases, and not the last layer's
-    # weight, whose forward gather XLA reuses (its backward starts right after the forward)
+    # the backward pass re-gathers only what it reads: not the biases, and not the first
+    # layer's weight (no gradient flows into the model's input)
     assert moved - biggest <= sum(c.elements for c in backward) < moved, report
     assert n - 1 <= len(forward) <= 2 * n and n - 1 <= len(backward) <= 2 * n, report
     assert all(c.kind == kind and c.dtype == wire for c in grads), report
