@@ -5,7 +5,9 @@ size stays under ``--xla_gpu_{all_reduce,reduce_scatter,all_gather}_combine_thre
 (default 30 MiB + 7 B), and one merged collective at the end of the backward pass overlaps
 nothing. :func:`xla_flags` derives thresholds from the config so that no two full buckets fit
 under them (a full bucket alone is already over the threshold, and the combiner leaves such a
-collective alone), and turns on the latency-hiding scheduler.
+collective alone), and turns on the latency-hiding scheduler. At ``zero_stage=3`` with the
+interleaved layout jaxdp gathers and reduce-scatters per parameter instead, and the same
+thresholds make XLA combine those into groups of at most one bucket.
 
 XLA aborts the whole process on a flag it does not know, and flags come and go between
 releases, so every flag is looked up in ``FLAG_TABLE`` (the first jaxlib release that has it and,
