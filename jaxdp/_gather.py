@@ -311,7 +311,7 @@ def zero3_value_and_grad(
     # Interleaved layouts gather (and reduce-scatter) per parameter: see make_leaf_gather.
     per_leaf = layout.kind == "interleaved" and not layout.stacked
     make = make_leaf_gather if per_leaf else make_bucket_gather
-    gathers = [
+    gathers: list[Callable[..., Any]] = [
         make(
             b,
             layout,
