@@ -44,6 +44,7 @@ from ._reduce import _reduce_one
 __all__ = [
     "GATHERED",
     "gather_full",
+    "gathers_per_parameter",
     "make_bucket_gather",
     "make_leaf_gather",
     "not_gathered_policy",
@@ -65,6 +66,17 @@ def gather_full(view: Any, layout: BucketLayout, axis: str) -> Any:
     return layout.unpack(full)
 
 
+def gathers_per_parameter(layout: BucketLayout) -> bool:
+    """Whether ZeRO-3 gathers ``layout``'s buckets per parameter (:func:`make_leaf_gather`):
+    interleaved layouts without layer stacks. Others gather whole buckets."""
+    return layout.kind == "interleaved" and not layout.stacked
+
+
+def _nonfinite_flags(parts: Any) -> jax.Array:
+    """1.0 per array of ``parts`` that holds a non-finite value, else 0.0."""
+    return jnp.stack([(~jnp.all(jnp.isfinite(p))).astype(jnp.float32) for p in parts])
+
+
 def _nonfinite(ct: jax.Array, b: Bucket, layout: BucketLayout) -> jax.Array:
     """1.0 per parameter of bucket ``b`` whose slice of the local gradient ``ct`` is not finite."""
     if layout.kind == "interleaved":
@@ -76,7 +88,7 @@ def _nonfinite(ct: jax.Array, b: Bucket, layout: BucketLayout) -> jax.Array:
         parts = [
             ct[layout.slots[i].start - b.start : layout.slots[i].end - b.start] for i in b.slots
         ]
-    return jnp.stack([(~jnp.all(jnp.isfinite(p))).astype(jnp.float32) for p in parts])
+    return _nonfinite_flags(parts)
 
 
 # Primitives that only move, cast or replicate data. Their outputs are never saved for the
@@ -236,14 +248,14 @@ def make_leaf_gather(
     """
     axis = config.data_axis
     acc_dt = jnp.dtype(config.main_grads_dtype)
-    if layout.kind != "interleaved" or layout.stacked:
+    if not gathers_per_parameter(layout):
         raise ValueError(
             f"make_leaf_gather: layout kind {layout.kind!r}"
             f"{' with stacked params' if layout.stacked else ''}; expected an interleaved "
             "layout without stacks (use make_bucket_gather or jaxdp._zero3_scan)."
         )
     slots = list(b.slots)
-    per_leaf = not (
+    reduce_per_leaf = not (
         config.reduce_scatter_with_fp32_accumulation
         or config.deterministic_reduction
         or jnp.dtype(b.grad_dtype).itemsize >= 4
@@ -262,7 +274,7 @@ def make_leaf_gather(
         return gather(pieces, acc, flags), shapes
 
     def bwd(shapes: Any, cts: list[jax.Array]) -> tuple[Any, jax.Array, jax.Array]:
-        if per_leaf:
+        if reduce_per_leaf:
             parts, div = {}, 1
             for i, ct in zip(slots, cts, strict=True):
                 flat = layout._leaf_to_global(i, ct, acc_dt)
@@ -276,7 +288,7 @@ def make_leaf_gather(
             red, div = _reduce_one(flat, b, layout, config, num_microbatches, deferred)
         divisors.append(div)  # a static int, the same at every trace
         if config.check_for_nan_in_grad:
-            bad = jnp.stack([(~jnp.all(jnp.isfinite(ct))).astype(jnp.float32) for ct in cts])
+            bad = _nonfinite_flags(cts)
         else:
             bad = jax.lax.pcast(jnp.zeros((len(slots),), jnp.float32), axis, to="varying")
         zeros = tuple(
@@ -309,7 +321,7 @@ def zero3_value_and_grad(
     """
     divisors: list[int] = []
     # Interleaved layouts gather (and reduce-scatter) per parameter: see make_leaf_gather.
-    per_leaf = layout.kind == "interleaved" and not layout.stacked
+    per_leaf = gathers_per_parameter(layout)
     make = make_leaf_gather if per_leaf else make_bucket_gather
     gathers: list[Callable[..., Any]] = [
         make(

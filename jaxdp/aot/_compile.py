@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._engine import DataParallel
+from .._gather import gathers_per_parameter
 from .._xla_flags import xla_compiler_options
 from ._report import Collective, ScheduleReport
 
@@ -138,12 +139,6 @@ def _grad_kinds(dp: DataParallel) -> tuple[str, ...]:
 _HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
 
 
-def _per_param_collectives(dp: DataParallel) -> bool:
-    """Stage 3 with an interleaved, unstacked layout gathers and reduces per parameter."""
-    lay = dp.layout
-    return dp.config.zero_stage == 3 and lay.kind == "interleaved" and not lay.stacked
-
-
 def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     """Label each collective of ``report``: ``"grad bucket"``, ``"param bucket"``,
     ``"grad group"``, ``"param group"`` or ``""``.
@@ -164,7 +159,7 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     numels = {b.numel for b in dp.layout.buckets}
     biggest = max(numels)
     grad = _grad_kinds(dp)
-    groups = _per_param_collectives(dp)
+    groups = dp.config.zero_stage == 3 and gathers_per_parameter(dp.layout)
     wire = {_HLO_DTYPES.get(jnp.dtype(b.grad_dtype).name) for b in dp.layout.buckets}
     work = {_HLO_DTYPES.get(jnp.dtype(b.dtype).name) for b in dp.layout.buckets}
     roles = []
