@@ -3,7 +3,7 @@
 The data is embedded: inputs are random vectors, labels come from a fixed random "teacher"
 network, so the student's loss and accuracy show real learning within a few hundred steps.
 
-Run:  python examples/train_flax.py [--config configs/zero1_bf16_fp32_reduce.yaml] [--steps 300]
+Run (from any folder):  python examples/train_flax.py [--config FILE.yaml] [--steps 300]
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ import os
 import sys
 import time
 
+# The repository's configs/ folder, found from this file, so the example runs from any folder.
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--config",
-        default="configs/zero1_bf16_fp32_reduce.yaml",
-        help="DDPConfig YAML (default: %(default)s)",
+        default=os.path.join(CONFIGS, "zero1_bf16_fp32_reduce.yaml"),
+        help="DDPConfig YAML (default: the repository's configs/zero1_bf16_fp32_reduce.yaml)",
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="global batch (default: %(default)s)")

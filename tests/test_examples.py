@@ -52,3 +52,21 @@ def test_moe_expert_parallel_example_matches_reference(capsys):
     _load("moe_expert_parallel.py").main(["--steps", "3"])
     out = capsys.readouterr().out
     assert "split P('expert', None, None)" in out and "max |param - reference|" in out
+
+
+def test_flax_example_runs_from_another_folder(tmp_path):
+    """``examples/train_flax.py`` finds its default config from its own path, not the cwd."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_flax.py"), "--steps", "3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "done: 3 steps" in r.stdout
