@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-__all__ = ["gpu_driver_present", "prepare_jax"]
+__all__ = ["cuda_plugin_available", "gpu_driver_present", "prepare_jax"]
 
 _DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 
@@ -30,7 +30,10 @@ def gpu_driver_present() -> bool:
     return any(os.path.exists(p) for p in _DRIVER_PATHS)
 
 
-def _cuda_plugin_installed() -> bool:
+def cuda_plugin_available() -> bool:
+    """Whether jax's CUDA PJRT plugin (``jax_plugins.xla_cuda12``, the ``gpu-aot`` extra) is
+    installed. ``False`` (not an exception) when the ``jax_plugins`` namespace package itself is
+    missing, where ``importlib.util.find_spec`` raises ``ModuleNotFoundError``."""
     try:
         return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     except (ImportError, ValueError):
@@ -69,7 +72,7 @@ def prepare_jax() -> None:
     """
     if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS"):
         return
-    if not _cuda_plugin_installed() or gpu_driver_present():
+    if not cuda_plugin_available() or gpu_driver_present():
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     with _stderr_held():

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from jaxdp._platform import _cuda_plugin_installed, gpu_driver_present
+from jaxdp._platform import cuda_plugin_available, gpu_driver_present
 
 needs_plugin_without_gpu = pytest.mark.skipif(
-    not _cuda_plugin_installed() or gpu_driver_present(),
+    not cuda_plugin_available() or gpu_driver_present(),
     reason="needs the CUDA plugin installed on a machine without an NVIDIA driver",
 )
 
@@ -37,3 +37,51 @@ def test_import_picks_cpu_without_a_traceback():
 def test_a_platform_the_user_set_is_kept():
     proc = run({"JAX_PLATFORMS": "cpu,cuda"})
     assert proc.stdout.split()[-1] == "cpu,cuda"
+
+
+# Without the gpu-aot extra the namespace package ``jax_plugins`` itself is missing, and
+# ``importlib.util.find_spec("jax_plugins.xla_cuda12")`` raises instead of returning None.
+BLOCK_JAX_PLUGINS = """
+import sys
+
+class _NoJaxPlugins:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax_plugins" or name.startswith("jax_plugins."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoJaxPlugins())
+"""
+
+HINT = "pip install 'jaxdp[gpu-aot]'"
+
+
+def test_missing_jax_plugins_package_is_not_installed(monkeypatch):
+    import importlib.util
+
+    from jaxdp.aot import h100_topology
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name.startswith("jax_plugins"):
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert cuda_plugin_available() is False
+    with pytest.raises(ImportError, match=r"the CUDA PJRT plugin is not installed") as info:
+        h100_topology(8)
+    assert HINT in str(info.value)
+
+
+def test_aot_cli_without_the_extra_prints_the_install_hint():
+    code = BLOCK_JAX_PLUGINS + "from jaxdp.aot.__main__ import main; sys.exit(main([]))"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    out = " ".join(proc.stdout.split())  # rich wraps long lines
+    assert "No module named" not in out
+    assert "the CUDA PJRT plugin is not installed" in out and HINT in out
