@@ -129,3 +129,38 @@ def test_nan_names_the_parameter_and_keeps_the_last_good_state(stage, donate):
     # Training goes on from the last good state.
     resumed, m = dp.step(last_good, dp.shard_batch(good))
     assert int(resumed.step) == 2 and np.isfinite(float(m["loss"]))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_donated_state_passed_again_is_named(stage):
+    # jax 0.10 segfaults (exit 139) when a donating jit gets deleted buffers on several devices.
+    dp = engine(zero_stage=stage)
+    state = dp.init(mlp_params())
+    batch = dp.shard_batch(make_batch(16))
+    new, _ = dp.step(state, batch)
+    with pytest.raises(
+        ValueError,
+        match=r"DataParallel\.step: state was donated to an earlier step \(its buffers are "
+        r"deleted: state\.step\.is_deleted\(\) is True\); a donated state cannot be passed "
+        r"again\. Fix: use the state returned by that step .*jax\.tree\.map\(jnp\.copy, "
+        r"state\).*DataParallel\(\.\.\., donate=False\)",
+    ):
+        dp.step(state, batch)
+    new, _ = dp.step(new, batch)  # the returned state goes on
+    assert int(new.step) == 2
+
+
+def test_a_copy_or_donate_false_keeps_the_input_state_usable():
+    batch = make_batch(16)
+    dp = engine()
+    state = dp.init(mlp_params())
+    keep = jax.tree.map(jnp.copy, state)
+    a, _ = dp.step(state, dp.shard_batch(batch))
+    b, _ = dp.step(keep, dp.shard_batch(batch))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    dp = DataParallel(mse_loss, optax.sgd(0.1), DDPConfig(), donate=False)
+    state = dp.init(mlp_params())
+    dp.step(state, dp.shard_batch(batch))
+    again, _ = dp.step(state, dp.shard_batch(batch))
+    assert int(again.step) == 1
