@@ -21,7 +21,12 @@ def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             leaf = np.asarray(leaf)
         shape = tuple(leaf.shape)
-        dtype = np.dtype(leaf.dtype).name
+        # Typed PRNG keys (jax.random.key) have a dtype numpy cannot interpret: key<fry>.
+        dtype = (
+            str(leaf.dtype)
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+            else np.dtype(leaf.dtype).name
+        )
         out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
     return out
 
