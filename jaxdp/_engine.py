@@ -309,17 +309,18 @@ class DataParallel:
         g, dp = self.config.num_microbatches, self.dp
         div = g * (dp // jax.process_count() if local else dp)
         lead = {s[1][0] if s[1] else None for s in sig}
-        for p, sh, dt in sig:
-            if not sh and dt.startswith("key<"):
-                n_hint = next(iter(lead - {None}), None) if len(lead - {None}) == 1 else None
-                raise ValueError(
-                    f"DataParallel.step: batch leaf {p} is a single PRNG key (shape (), dtype "
-                    f"{dt}); expected one key per example along the batch's leading axis (a "
-                    "scalar has no batch axis to split over the devices). Fix: split it, e.g. "
-                    f"jax.random.split(key, {n_hint or 'global_batch'}), and jax.vmap over "
-                    "the keys in loss_fn."
-                )
         if None in lead or len(lead) != 1:
+            sized = lead - {None}
+            for p, sh, dt in sig:
+                if not sh and dt.startswith("key<"):  # _batch_signature's typed-key dtype names
+                    size = sized.pop() if len(sized) == 1 else "global_batch"
+                    raise ValueError(
+                        f"DataParallel.step: batch leaf {p} is a single PRNG key (shape (), "
+                        f"dtype {dt}); expected one key per example along the batch's leading "
+                        "axis (a scalar has no batch axis to split over the devices). Fix: "
+                        f"split it, e.g. jax.random.split(key, {size}), and jax.vmap over the keys "
+                        "in loss_fn."
+                    )
             raise ValueError(
                 "DataParallel.step: every batch leaf must share one leading (batch) axis; got "
                 f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."
