@@ -22,11 +22,9 @@ def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
             leaf = np.asarray(leaf)
         shape = tuple(leaf.shape)
         # Typed PRNG keys (jax.random.key) have a dtype numpy cannot interpret: key<fry>.
-        dtype = (
-            str(leaf.dtype)
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-            else np.dtype(leaf.dtype).name
-        )
+        dt = leaf.dtype
+        key = not isinstance(dt, np.dtype) and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+        dtype = str(dt) if key else np.dtype(dt).name
         out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
     return out
 
