@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -38,6 +40,15 @@ def default_bucket_size(dp_size: int) -> int:
         64000000
     """
     return max(40_000_000, 1_000_000 * int(dp_size))
+
+
+def _did_you_mean(unknown: list[Any], names: list[str]) -> str:
+    """``'bucket_sise' (did you mean 'bucket_size'?), 'foo'``: unknown names with close matches."""
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(str(k), names, n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(hints)
 
 
 def _err(field: str, value: Any, expected: str, fix: str, exc: type[Exception] = ValueError):
@@ -538,13 +549,9 @@ class DDPConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in data if k not in names]
         if unknown:
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(str(k), names, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise ValueError(
-                f"DDPConfig: unknown key(s) in {source}: {', '.join(hints)}; expected only "
-                f"{names}. Fix: rename or remove them."
+                f"DDPConfig: unknown key(s) in {source}: {_did_you_mean(unknown, names)}; "
+                f"expected only {names}. Fix: rename or remove them."
             )
         kwargs = dict(data)
         for key in ("own_bucket_param_patterns", "expert_param_patterns"):
@@ -579,3 +586,28 @@ class DDPConfig:
             f.write(text)
         os.replace(tmp, path)
         return None
+
+
+def _named_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a dataclass ``__init__`` so that an unknown keyword is named with a did-you-mean
+    hint (Python's own error only says "unexpected keyword argument"); ``replace`` goes through
+    it too. ``functools.wraps`` keeps the signature (``inspect.signature`` follows it)."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        fields = type(self).__dataclass_fields__
+        if any(k not in fields for k in kwargs):
+            names = [f.name for f in dataclasses.fields(self)]
+            unknown = [k for k in kwargs if k not in fields]
+            raise TypeError(
+                f"{type(self).__name__}: unknown keyword argument(s) "
+                f"{_did_you_mean(unknown, names)}; expected only the fields {names}. "
+                "Fix: rename or remove them."
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+# setattr, not assignment: mypy types construction from the dataclass fields either way.
+setattr(DDPConfig, "__init__", _named_keywords(DDPConfig.__init__))  # noqa: B010

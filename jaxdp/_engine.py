@@ -287,9 +287,14 @@ class DataParallel:
         sharding = self._sharding(batch_spec(self.config))
         if jax.process_count() == 1:
             return jax.device_put(batch, sharding)
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
-        )
+
+        def put(x: Any) -> Any:
+            if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+                data = put(jax.random.key_data(x))  # typed keys travel as their uint32 data
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+        return jax.tree.map(put, batch)
 
     def _check_batch(self, batch: Any, local: bool = False) -> None:
         if not getattr(self, "_detected", True):  # once: init got no batch to find stacks
@@ -305,6 +310,17 @@ class DataParallel:
         div = g * (dp // jax.process_count() if local else dp)
         lead = {s[1][0] if s[1] else None for s in sig}
         if None in lead or len(lead) != 1:
+            sized = lead - {None}
+            for p, sh, dt in sig:
+                if not sh and dt.startswith("key<"):  # _batch_signature's typed-key dtype names
+                    size = sized.pop() if len(sized) == 1 else "global_batch"
+                    raise ValueError(
+                        f"DataParallel.step: batch leaf {p} is a single PRNG key (shape (), "
+                        f"dtype {dt}); expected one key per example along the batch's leading "
+                        "axis (a scalar has no batch axis to split over the devices). Fix: "
+                        f"split it, e.g. jax.random.split(key, {size}), and jax.vmap over the keys "
+                        "in loss_fn."
+                    )
             raise ValueError(
                 "DataParallel.step: every batch leaf must share one leading (batch) axis; got "
                 f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._config import DDPConfig
 from ._gather import gather_full, zero3_value_and_grad
@@ -57,15 +58,58 @@ def loss_parts(
                 f"(loss_sum, num_tokens); got {type(out).__name__}."
             )
         loss_sum, ntok = out
+        fix = (
+            "return (loss_sum, num_tokens) for the micro-batch, both scalars: the sum of the "
+            "per-token losses (e.g. jnp.sum(token_loss * mask)) and the token count "
+            "(e.g. jnp.sum(mask))"
+        )
+        _check_scalar("loss_sum", loss_sum, mb, fix, floating=True)
+        _check_scalar("num_tokens", ntok, mb, fix, floating=False)
         return loss_sum, (jnp.asarray(ntok, jnp.float32), None)
+    fix = "return the mean over the micro-batch, e.g. jnp.mean(per_example_loss)"
     if isinstance(out, tuple):
         if len(out) != 2:
             raise ValueError(
                 f"DataParallel: loss_fn must return loss or (loss, aux); got a tuple of {len(out)}."
             )
         loss, aux = out
+        _check_scalar("loss (the first of (loss, aux))", loss, mb, fix, floating=True)
         return loss, (jnp.zeros((), jnp.float32), aux)
+    _check_scalar("loss", out, mb, fix, floating=True)
     return out, (jnp.zeros((), jnp.float32), None)
+
+
+def _check_scalar(what: str, x: Any, mb: Any, fix: str, *, floating: bool) -> None:
+    """Raise if ``loss_fn``'s output ``x`` is not a scalar (a floating one if ``floating``).
+
+    Runs while the step is traced, before XLA compiles anything (once per compilation, nothing
+    per step), on the shapes ``loss_fn`` really sees: JAX's "Gradient only defined for
+    scalar-output functions" and "grad requires real-valued outputs" become the output's name,
+    shape and dtype and the fix.
+    """
+    if isinstance(x, (bool, int, float)):
+        shape, dtype = (), np.result_type(type(x))
+    elif hasattr(x, "shape") and hasattr(x, "dtype"):
+        shape, dtype = tuple(x.shape), x.dtype
+    else:
+        raise TypeError(
+            f"DataParallel: loss_fn returned a {type(x).__name__} as its {what} for one "
+            f"micro-batch; expected a scalar array. Fix: {fix}."
+        )
+    not_float = floating and not jnp.issubdtype(dtype, jnp.floating)
+    if shape == () and not not_float:
+        return
+    leaves = jax.tree.leaves(mb)
+    size = leaves[0].shape[0] if leaves and leaves[0].ndim else "?"
+    expected = "a floating-point scalar (gradients need a real float output)"
+    if not not_float:
+        expected = "a scalar"
+    cast = ", in floating point (e.g. .astype(jnp.float32))" if not_float else ""
+    raise ValueError(
+        f"DataParallel: loss_fn returned a {what} of shape {shape} and dtype "
+        f"{getattr(dtype, 'name', dtype)} for one micro-batch of {size} examples (on each "
+        f"device); expected {expected}. Fix: {fix}{cast}."
+    )
 
 
 def local_gradients(

@@ -44,6 +44,10 @@ def after(x: Any, dep: Any) -> Any:
         zero = zero | _zero_from(d)
 
     def one(v: jax.Array) -> jax.Array:
+        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):  # typed keys: their bits
+            return jax.random.wrap_key_data(
+                one(jax.random.key_data(v)), impl=jax.random.key_impl(v)
+            )
         v = jnp.asarray(v)
         if v.size == 0:
             return v

@@ -21,7 +21,10 @@ def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             leaf = np.asarray(leaf)
         shape = tuple(leaf.shape)
-        dtype = np.dtype(leaf.dtype).name
+        # Typed PRNG keys (jax.random.key) have a dtype numpy cannot interpret: key<fry>.
+        dt = leaf.dtype
+        key = not isinstance(dt, np.dtype) and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+        dtype = str(dt) if key else np.dtype(dt).name
         out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
     return out
 
@@ -30,6 +33,29 @@ def _with_sharding(x: Any, sharding: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return x
+
+
+def _check_not_donated(state: Any) -> None:
+    """Raise if ``state`` was donated to an earlier step (a donating jit segfaults on it).
+
+    A step donates the whole state at once, so every leaf of a donated state is deleted; the
+    ``step`` counter stands for all of them (one attribute read and one C++ call per step;
+    checking every leaf would cost a tree flatten, ~0.25 us per leaf). A state assembled by hand
+    from a live ``step`` and another state's donated leaves is not caught.
+    """
+    step = getattr(state, "step", None)
+    try:
+        deleted = step.is_deleted()  # type: ignore[union-attr]
+    except AttributeError:  # not a jax.Array (a tracer, numpy, a foreign pytree)
+        return
+    if deleted:
+        raise ValueError(
+            "DataParallel.step: state was donated to an earlier step (its buffers are deleted: "
+            "state.step.is_deleted() is True); a donated state cannot be passed again. Fix: use "
+            "the state returned by that step (state, metrics = dp.step(state, batch)), keep a "
+            "copy before stepping (jax.tree.map(jnp.copy, state)), or build the engine with "
+            "DataParallel(..., donate=False)."
+        )
 
 
 class _Step:
@@ -55,6 +81,8 @@ class _Step:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         eng = self._engine
+        if eng.donate:
+            _check_not_donated(state)
         eng._check_batch(batch)
         new_state, metrics = self._jitted(state, batch)
         if eng.config.check_for_nan_in_grad:

@@ -1,6 +1,5 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
 
-import importlib.util
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -25,7 +24,9 @@ collect_ignore = ["mp", "_models.py", "_fp32_property.py", "_gpt_nn.py", "_trans
 @pytest.fixture(scope="session")
 def h100():
     """8 compile-only H100 devices as a 1-D ``data`` mesh, or a skip without the gpu-aot extra."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    from jaxdp._platform import cuda_plugin_available
+
+    if not cuda_plugin_available():
         pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")
     from jaxdp.aot import h100_mesh
 

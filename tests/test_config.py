@@ -227,3 +227,35 @@ def test_shipped_configs_load():
             load_run_config(str(f))
         else:
             DDPConfig.from_yaml(f)
+
+
+def test_unknown_keyword_is_named_with_a_suggestion():
+    fields = r"expected only the fields \['zero_stage', 'bucket_size', .*'scan_param_patterns'\]"
+    want = r"DDPConfig: unknown keyword argument\(s\) 'zero_stag' \(did you mean 'zero_stage'\?\)"
+    with pytest.raises(TypeError, match=f"{want}; {fields}. Fix: rename or remove them."):
+        DDPConfig(zero_stag=1)
+    with pytest.raises(TypeError, match=f"{want}; {fields}"):  # replace goes through __init__
+        DDPConfig().replace(zero_stag=1)
+    with pytest.raises(TypeError, match=r"'foo', 'bucket_sise' \(did you mean 'bucket_size'\?\)"):
+        DDPConfig(foo=1, bucket_sise=3)
+    with pytest.raises(TypeError, match="multiple values for argument 'zero_stage'"):
+        DDPConfig(0, zero_stage=1)  # Python's own errors are untouched
+
+
+def test_constructor_keeps_dataclass_behaviour():
+    import copy
+    import dataclasses
+    import inspect
+    import pickle
+
+    cfg = DDPConfig(1, 1000, clip_grad=1.0)  # positional fields still work
+    assert (cfg.zero_stage, cfg.bucket_size, cfg.clip_grad) == (1, 1000, 1.0)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg)
+    assert hash(cfg) == hash(DDPConfig(zero_stage=1, bucket_size=1000, clip_grad=1.0))
+    assert cfg.replace(zero_stage=2) == dataclasses.replace(cfg, zero_stage=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.zero_stage = 0
+    params = list(inspect.signature(DDPConfig).parameters)
+    assert params == [f.name for f in dataclasses.fields(DDPConfig)]
+    with pytest.raises(ValueError, match="pick one of 0, 1, 2, 3"):  # still validated
+        DDPConfig(zero_stage=7)

@@ -129,3 +129,122 @@ def test_nan_names_the_parameter_and_keeps_the_last_good_state(stage, donate):
     # Training goes on from the last good state.
     resumed, m = dp.step(last_good, dp.shard_batch(good))
     assert int(resumed.step) == 2 and np.isfinite(float(m["loss"]))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_donated_state_passed_again_is_named(stage):
+    # jax 0.10 segfaults (exit 139) when a donating jit gets deleted buffers on several devices.
+    dp = engine(zero_stage=stage)
+    state = dp.init(mlp_params())
+    batch = dp.shard_batch(make_batch(16))
+    new, _ = dp.step(state, batch)
+    with pytest.raises(
+        ValueError,
+        match=r"DataParallel\.step: state was donated to an earlier step \(its buffers are "
+        r"deleted: state\.step\.is_deleted\(\) is True\); a donated state cannot be passed "
+        r"again\. Fix: use the state returned by that step .*jax\.tree\.map\(jnp\.copy, "
+        r"state\).*DataParallel\(\.\.\., donate=False\)",
+    ):
+        dp.step(state, batch)
+    new, _ = dp.step(new, batch)  # the returned state goes on
+    assert int(new.step) == 2
+
+
+def test_a_copy_or_donate_false_keeps_the_input_state_usable():
+    batch = make_batch(16)
+    dp = engine()
+    state = dp.init(mlp_params())
+    keep = jax.tree.map(jnp.copy, state)
+    a, _ = dp.step(state, dp.shard_batch(batch))
+    b, _ = dp.step(keep, dp.shard_batch(batch))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    dp = DataParallel(mse_loss, optax.sgd(0.1), DDPConfig(), donate=False)
+    state = dp.init(mlp_params())
+    dp.step(state, dp.shard_batch(batch))
+    again, _ = dp.step(state, dp.shard_batch(batch))
+    assert int(again.step) == 1
+
+
+def per_example_loss(p, b):
+    from _models import mlp_apply
+
+    return jnp.mean((mlp_apply(p, b["x"]) - b["y"]) ** 2, axis=-1)  # shape (micro-batch,)
+
+
+SCALAR_FIX = r"Fix: return the mean over the micro-batch, e.g\. jnp\.mean\(per_example_loss\)\."
+LOSS_OUTPUTS = [  # (loss_fn, config, exception, message)
+    (
+        per_example_loss,
+        {},
+        ValueError,
+        r"DataParallel: loss_fn returned a loss of shape \(2,\) and dtype float32 for one "
+        r"micro-batch of 2 examples \(on each device\); expected a scalar\. " + SCALAR_FIX,
+    ),
+    (
+        lambda p, b: (per_example_loss(p, b), {"n": jnp.ones(())}),
+        {},
+        ValueError,
+        r"loss_fn returned a loss \(the first of \(loss, aux\)\) of shape \(2,\) and dtype "
+        r"float32 for one micro-batch of 2 examples \(on each device\); expected a scalar\. "
+        + SCALAR_FIX,
+    ),
+    (
+        lambda p, b: per_example_loss(p, b),
+        {"num_microbatches": 2},
+        ValueError,
+        r"a loss of shape \(1,\) and dtype float32 for one micro-batch of 1 examples",
+    ),
+    (
+        lambda p, b: jnp.sum(b["x"] > 0),
+        {},
+        ValueError,
+        r"loss_fn returned a loss of shape \(\) and dtype int32 for one micro-batch of 2 "
+        r"examples \(on each device\); expected a floating-point scalar \(gradients need a real "
+        r"float output\)\. " + SCALAR_FIX[:-2] + r", in floating point \(e\.g\. "
+        r"\.astype\(jnp\.float32\)\)\.",
+    ),
+    (
+        lambda p, b: "loss",
+        {},
+        TypeError,
+        r"loss_fn returned a str as its loss for one micro-batch; expected a scalar array",
+    ),
+    (
+        lambda p, b: (per_example_loss(p, b) * 2, jnp.full((2,), 3.0)),
+        {"calculate_per_token_loss": True},
+        ValueError,
+        r"loss_fn returned a loss_sum of shape \(2,\) and dtype float32 for one micro-batch of 2 "
+        r"examples \(on each device\); expected a scalar\. Fix: return \(loss_sum, num_tokens\) "
+        r"for the micro-batch, both scalars",
+    ),
+    (
+        lambda p, b: (mse_loss(p, b) * 2, jnp.ones((2,), jnp.int32)),
+        {"calculate_per_token_loss": True},
+        ValueError,
+        r"a num_tokens of shape \(2,\) and dtype int32 for one micro-batch of 2 examples",
+    ),
+]
+
+
+@pytest.mark.parametrize(("loss_fn", "cfg", "exc", "msg"), LOSS_OUTPUTS)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_loss_fn_must_return_a_float_scalar(loss_fn, cfg, exc, msg, stage):
+    dp = DataParallel(loss_fn, optax.sgd(0.1), DDPConfig(zero_stage=stage, **cfg))
+    state = dp.init(mlp_params())
+    batch = dp.shard_batch(make_batch(16))
+    with pytest.raises(exc, match=msg):
+        dp.step(state, batch)
+    with pytest.raises(exc, match=msg):  # also before an AOT compile
+        dp.step.lower(state, batch)
+    assert not state.step.is_deleted()  # raised while tracing: nothing ran, nothing donated
+
+
+def test_per_token_loss_with_an_int_token_count_is_accepted():
+    def loss_fn(p, b):
+        return mse_loss(p, b) * b["x"].shape[0], jnp.asarray(b["x"].shape[0], jnp.int32)
+
+    dp = DataParallel(loss_fn, optax.sgd(0.1), DDPConfig(calculate_per_token_loss=True))
+    state = dp.init(mlp_params())
+    state, m = dp.step(state, dp.shard_batch(make_batch(16)))
+    assert float(m["num_tokens"]) == 16.0

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.resources
-import importlib.util
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from .._mesh import make_mesh
+from .._platform import cuda_plugin_available
 
 __all__ = ["target_config", "h100_topology", "h100_mesh", "TARGET_CONFIGS"]
 
@@ -88,7 +88,7 @@ def h100_topology(
     """
     n, hosts = _check_int("n", n), _check_int("hosts", hosts)
     versions = _plugin_versions()
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not cuda_plugin_available():
         raise ImportError(
             "h100_topology: the CUDA PJRT plugin is not installed; it is needed to compile for "
             "GPUs without one. Fix: pip install 'jaxdp[gpu-aot]' (jax-cuda12-plugin and "
