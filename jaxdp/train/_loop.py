@@ -21,10 +21,10 @@ from .._checkpoint import CheckpointManager
 from .._engine import DataParallel
 from .._mesh import make_mesh
 from ..models.gpt import GPT, generate, next_byte_loss
-from ._cli import UsageError, clear_run
 from ._data import batch_rows, load_corpus
 from ._options import RunConfig
 from ._report import MetricsLog, bytes_moved_per_step, plot_loss, print_summary
+from ._rundir import UsageError, clear_run
 
 __all__ = ["Trainer"]
 
