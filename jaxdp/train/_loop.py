@@ -221,14 +221,21 @@ class Trainer:
         self.ckpt.wait_until_finished()
         self.ckpt.close()
         wall = time.perf_counter() - t_wall
-        if not self.lead or not losses:
+        if not losses:
             self._barrier("done")
             return
         sample = None
         if t.sample_bytes:
-            params = jax.tree.map(lambda x: x.addressable_data(0), eng.params(self.state))
-            raw = generate(self.model, params, b"def ", t.sample_bytes, jax.random.key(t.seed))
-            sample = "def " + raw.decode("utf-8", errors="replace")
+            # A collective (the ZeRO master weights are gathered): every process calls it.
+            full = eng.params(self.state)
+            if self.lead:
+                params = jax.tree.map(lambda x: x.addressable_data(0), full)
+                key = jax.random.key(t.seed)
+                raw = generate(self.model, params, b"def ", t.sample_bytes, key)
+                sample = "def " + raw.decode("utf-8", errors="replace")
+        if not self.lead:
+            self._barrier("done")
+            return
         records = log.records if log is not None else []
         layout = eng.layout
         state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state))
