@@ -5,7 +5,19 @@ Each process is ``python -m jaxdp.train <args> --coordinator 127.0.0.1:PORT --nu
 ``--devices-per-process`` simulated CPU devices (default ``8 // P``, so the run has 8 devices
 as a one-process run does), and the processes talk through ``jax.distributed`` with gloo CPU
 collectives. Process 0's output is shown; the others write ``OUT/logs/process_I.log`` (shown
-if they fail). If any process fails, the rest are stopped and its exit status is returned.
+if they fail). The child PIDs are printed at the start.
+
+Signals and failures:
+
+- SIGTERM / SIGINT to the launcher is forwarded to every process: they stop at the same step,
+  checkpoint it and exit 0 (``--resume`` continues); a second signal is forwarded too and ends
+  them at once.
+- If a process dies or fails, the launcher names it and its exit status, sends SIGTERM to the
+  others and exits with that status.
+- Processes still running ``--grace`` seconds after a forwarded signal or a failure are killed
+  (SIGKILL). The processes are killed too if the launcher itself dies (Linux: parent-death
+  signal), and they run in their own process group, so a Ctrl-C in the terminal reaches them
+  only once, through the launcher.
 
 Example::
 
@@ -15,7 +27,9 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +37,8 @@ import time
 from typing import Any
 
 __all__ = ["main"]
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _free_port() -> int:
@@ -40,6 +56,64 @@ def _out_dir(train_args: list[str]) -> str:
     return "runs/jaxdp-train"
 
 
+def _child_setup(parent: int) -> Any:
+    """``preexec_fn`` of each process: its own process group, and death with the launcher."""
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:  # the launcher died before prctl took effect
+                os._exit(1)
+
+    return setup
+
+
+def describe(returncode: int) -> str:
+    """``exit status 1`` / ``killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return f"exit status {returncode}"
+
+
+def _status(returncode: int) -> int:
+    """The launcher's exit status for a process's: a signal N becomes 128 + N (as a shell)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def stop_processes(
+    procs: list[subprocess.Popen[Any]], grace: float, sig: int = signal.SIGTERM
+) -> list[int]:
+    """Send ``sig`` to the live processes, wait up to ``grace`` seconds, SIGKILL the rest.
+
+    Returns the indices of the processes that had to be killed.
+    """
+    for q in procs:
+        if q.poll() is None:
+            _send(q, sig)
+    deadline = time.monotonic() + grace
+    while any(q.poll() is None for q in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = [i for i, q in enumerate(procs) if q.poll() is None]
+    for i in killed:
+        _send(procs[i], signal.SIGKILL)
+    for q in procs:
+        q.wait()
+    return killed
+
+
+def _send(q: subprocess.Popen[Any], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        q.send_signal(sig)  # does nothing once the process has been waited for
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the processes, wait for them, return the first failure's exit status (or 0)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -50,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process")
     p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="after forwarding a signal or after a process failed, kill (SIGKILL) the "
+        "processes still running after this long (default 60)",
+    )
     args = p.parse_args(ours)
     if args.nproc < 1:
         p.error(f"--nproc {args.nproc}: expected a positive number of processes, e.g. --nproc 2")
@@ -70,46 +152,93 @@ def main(argv: list[str] | None = None) -> int:
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={per}"])
     procs: list[subprocess.Popen[bytes]] = []
     files: list[Any] = []
-    for i in range(args.nproc):
-        cmd = [
-            sys.executable, "-m", "jaxdp.train", *train_args,
-            "--coordinator", f"127.0.0.1:{port}",
-            "--num-processes", str(args.nproc),
-            "--process-id", str(i),
-        ]  # fmt: skip
-        if i == 0:
-            procs.append(subprocess.Popen(cmd, env=env))
-            files.append(None)
-        else:
-            f = open(os.path.join(logs, f"process_{i}.log"), "w")  # noqa: SIM115 - kept open
-            files.append(f)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
-    status = 0
-    try:
-        while any(q.poll() is None for q in procs):
-            failed = [q for q in procs if q.poll() not in (None, 0)]
-            if failed:
-                status = failed[0].returncode
-                break
-            time.sleep(0.2)
-        else:
-            status = next((q.returncode for q in procs if q.returncode), 0)
-    finally:
+    received: list[int] = []  # signals forwarded to the processes
+    stop_by = [float("inf")]  # when processes still running get SIGKILL
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        stop_by[0] = min(stop_by[0], time.monotonic() + args.grace)
         for q in procs:
             if q.poll() is None:
-                q.terminate()
-        for q in procs:
-            try:
-                q.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                q.kill()
+                _send(q, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    try:
+        for i in range(args.nproc):
+            if received:  # stopped while starting: start no more
+                break
+            cmd = [
+                sys.executable, "-m", "jaxdp.train", *train_args,
+                "--coordinator", f"127.0.0.1:{port}",
+                "--num-processes", str(args.nproc),
+                "--process-id", str(i),
+            ]  # fmt: skip
+            out: Any = None
+            if i > 0:
+                out = open(os.path.join(logs, f"process_{i}.log"), "w")  # noqa: SIM115 - kept
+            files.append(out)
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=out,
+                    stderr=None if out is None else subprocess.STDOUT,
+                    preexec_fn=_child_setup(os.getpid()),
+                )
+            )
+        pids = ", ".join(f"process {i} pid {q.pid}" for i, q in enumerate(procs))
+        print(f"jaxdp.launch: {pids} (logs in {logs})", file=sys.stderr, flush=True)
+        failed: int | None = None
+        while any(q.poll() is None for q in procs):
+            failed = next((i for i, q in enumerate(procs) if q.poll() not in (None, 0)), None)
+            if failed is not None or time.monotonic() > stop_by[0]:
+                break
+            time.sleep(0.1)
+        if failed is None:
+            failed = next((i for i, q in enumerate(procs) if q.poll() not in (None, 0)), None)
+        if failed is not None:
+            code = procs[failed].returncode
+            status = _status(code)
+            print(
+                f"jaxdp.launch: process {failed} (pid {procs[failed].pid}) {describe(code)}; "
+                "stopping the others",
+                file=sys.stderr,
+                flush=True,
+            )
+            grace = max(stop_by[0] - time.monotonic(), 0.0) if received else args.grace
+            killed = stop_processes(procs, grace)
+        else:
+            killed = stop_processes(procs, 0.0)  # after --grace: the ones still running
+            status = next((_status(q.returncode) for q in procs if q.returncode), 0)
+        if killed:
+            names = ", ".join(f"process {i} (pid {procs[i].pid})" for i in killed)
+            print(
+                f"jaxdp.launch: killed {names}: still running {args.grace:g} s after "
+                + ("the signal" if received else "the failure"),
+                file=sys.stderr,
+                flush=True,
+            )
+            status = status or _status(procs[killed[0]].returncode)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for q in procs:  # an exception above (e.g. a failed start): leave nothing behind
+            if q.poll() is None:
+                _send(q, signal.SIGKILL)
+                q.wait()
         for f in files:
             if f is not None:
                 f.close()
     if status:
-        for i in range(1, args.nproc):
+        for i, q in enumerate(procs):
+            print(
+                f"jaxdp.launch: process {i} (pid {q.pid}): {describe(q.returncode)}",
+                file=sys.stderr,
+            )
+        for i in range(1, len(procs)):
             path = os.path.join(logs, f"process_{i}.log")
-            with open(path) as f:
+            with open(path, errors="replace") as f:
                 tail = f.read()[-2000:]
             print(f"--- process {i} ({path}), last lines:\n{tail}", file=sys.stderr)
     return status

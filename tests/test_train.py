@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import yaml
 
 from jaxdp.train import main
 from jaxdp.train._options import load_run_config
+from jaxdp.train._report import MetricsLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
@@ -69,6 +71,46 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
     assert [r["loss"] for r in got] == [r["loss"] for r in recs]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in recs]
     assert [r.get("val_loss") for r in got] == [r.get("val_loss") for r in recs]
+
+    # SIGINT (deterministically: right after step 2 is logged) stops the run at the next step
+    # boundary with a checkpoint of that step; --resume continues it bit for bit.
+    stopped = str(tmp_path / "c")
+    append = MetricsLog.append
+
+    def append_then_signal(self, record):
+        append(self, record)
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    handler = signal.getsignal(signal.SIGINT)
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(MetricsLog, "append", append_then_signal)
+        assert main(["--config", tiny, "--out", stopped]) == 0
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
+    out = capsys.readouterr().out
+    assert "jaxdp-train: stopped by SIGINT at step 3; checkpoint saved; continue with" in out
+    assert "summary" not in out
+    assert [r["step"] for r in _losses(stopped)] == [1, 2, 3]
+    assert sorted(os.listdir(os.path.join(stopped, "checkpoints"))) == ["2", "3"]
+    assert main(["--out", stopped, "--resume"]) == 0
+    assert [r["loss"] for r in _losses(stopped)] == [r["loss"] for r in recs]
+
+
+def test_signal_before_the_first_step(tmp_path, tiny, capsys, monkeypatch):
+    from jaxdp.train import _loop
+
+    def load_then_signal(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return corpus(*a, **k)
+
+    corpus = _loop.load_corpus
+    monkeypatch.setattr(_loop, "load_corpus", load_then_signal)
+    out = str(tmp_path / "run")
+    assert main(["--config", tiny, "--out", out]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM before the first step; nothing saved" in err
+    assert not os.path.exists(os.path.join(out, "checkpoints"))
 
 
 def _error(capsys, argv):

@@ -21,10 +21,11 @@ from .._checkpoint import CheckpointManager
 from .._engine import DataParallel
 from .._mesh import make_mesh
 from ..models.gpt import GPT, generate, next_byte_loss
-from ._cli import UsageError, clear_run
 from ._data import batch_rows, load_corpus
 from ._options import RunConfig
 from ._report import MetricsLog, bytes_moved_per_step, plot_loss, print_summary
+from ._rundir import UsageError, clear_run
+from ._stop import StopAgreement, StopSignals, signal_name
 
 __all__ = ["Trainer"]
 
@@ -44,8 +45,11 @@ class Trainer:
     """Everything that can fail on bad input is done in ``__init__`` (before any file in OUT
     changes); :meth:`run` trains."""
 
-    def __init__(self, cfg: RunConfig, args: argparse.Namespace):
+    def __init__(
+        self, cfg: RunConfig, args: argparse.Namespace, signals: StopSignals | None = None
+    ):
         self.cfg, self.args = cfg, args
+        self.signals = signals if signals is not None else StopSignals()
         self.lead = jax.process_index() == 0
         self.console = Console(quiet=not self.lead)
         devices = jax.devices()
@@ -130,7 +134,9 @@ class Trainer:
         return total / t.eval_batches
 
     # ------------------------------------------------------------------ run
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train to ``train.steps``, or until SIGTERM / SIGINT (then every process stops at the
+        same step and checkpoints it). Returns the exit status (0)."""
         cfg, args, t = self.cfg, self.args, self.cfg.train
         out = args.out
         if self.lead:
@@ -169,12 +175,17 @@ class Trainer:
             console=self.console,
             disable=not self.lead,
         )
+        agreement = StopAgreement(self.mesh)
+        stop_signal, saved, stopped_at = 0, None, None
+        self.signals.arm()
         with progress:
             task = progress.add_task("compiling", total=t.steps, completed=start)
             for step in range(start + 1, t.steps + 1):
                 t0 = time.perf_counter()
                 batch = self.batch(self.corpus.train, t.seed, step)
                 self.state, metrics = eng.step(self.state, batch)
+                # Every process gets the same answer at the same step (see _stop.py).
+                stop_signal = agreement.check(step, self.signals.signum)
                 logging = step % t.log_every == 0 or step == t.steps or step == start + 1
                 if logging:
                     loss = float(metrics["loss"])  # waits for the step
@@ -216,19 +227,42 @@ class Trainer:
                     last_log_t = time.perf_counter()
                 if step % t.checkpoint_every == 0 or step == t.steps:
                     self.ckpt.save(step, self.state)
+                    saved = step
                     last_log_t = time.perf_counter()
                 progress.update(task, completed=step)
+                if stop_signal and step < t.steps:
+                    self.signals.settled()
+                    if saved != step:
+                        self.ckpt.save(step, self.state)
+                    stopped_at = step
+                    break
+        self.signals.settled()
         self.ckpt.wait_until_finished()
         self.ckpt.close()
+        if stopped_at is not None:
+            print(
+                f"jaxdp-train: stopped by {signal_name(stop_signal)} at step {stopped_at}; "
+                f"checkpoint saved; continue with --resume (--out {out})",
+                flush=True,
+            )
+            self._barrier("stopped")
+            return 0
         wall = time.perf_counter() - t_wall
-        if not self.lead or not losses:
+        if not losses:
             self._barrier("done")
-            return
+            return 0
         sample = None
         if t.sample_bytes:
-            params = jax.tree.map(lambda x: x.addressable_data(0), eng.params(self.state))
-            raw = generate(self.model, params, b"def ", t.sample_bytes, jax.random.key(t.seed))
-            sample = "def " + raw.decode("utf-8", errors="replace")
+            # A collective (the ZeRO master weights are gathered): every process calls it.
+            full = eng.params(self.state)
+            if self.lead:
+                params = jax.tree.map(lambda x: x.addressable_data(0), full)
+                key = jax.random.key(t.seed)
+                raw = generate(self.model, params, b"def ", t.sample_bytes, key)
+                sample = "def " + raw.decode("utf-8", errors="replace")
+        if not self.lead:
+            self._barrier("done")
+            return 0
         records = log.records if log is not None else []
         layout = eng.layout
         state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state))
@@ -260,3 +294,4 @@ class Trainer:
             json.dump({**info, "sample": sample}, f, indent=1)
         print_summary(self.console, info, sample)
         self._barrier("done")
+        return 0
