@@ -292,7 +292,7 @@ def markdown(res: dict[str, Any]) -> str:
         "|---|---:|" + "---:|" * (len(keys) + 1),
     ]
     for r in res["rows"]:
-        vals = " | ".join(f"{r[k]:.1f}" for k in keys)
+        vals = " | ".join(f"{r[k]:.2f}" for k in keys)
         lines.append(f"| {r['program']} | {r['G']} | {vals} | {r['compile s']:.0f} |")
     return "\n".join(lines)
 
