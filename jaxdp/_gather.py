@@ -15,17 +15,17 @@ working params (``TrainState.params`` when ``config.shards_params``):
   (one per parameter of the bucket), and the step differentiates with respect to *those*: the
   cotangent of ``acc`` is this rank's reduced fp32 shard, the cotangent of ``flags`` counts
   non-finite local gradients (``check_for_nan_in_grad``), the cotangent of the shard is zero.
-  :func:`zero3_value_and_grad` wraps the user's loss in ``jax.checkpoint`` with a policy
-  (:func:`not_gathered_policy`) that refuses to save the gathered values (named :data:`GATHERED`) or
-  what layout primitives derive from them, so the backward pass gathers every bucket again instead
-  of keeping the full params alive as residuals.
+  :func:`zero3_value_and_grad` wraps the user's loss in ``jax.checkpoint`` with the policy of
+  ``DDPConfig.remat_policy`` (:func:`remat_policy_for`), none of which saves the gathered values
+  (named :data:`GATHERED`) or what layout primitives derive from them, so the backward pass
+  gathers every bucket again instead of keeping the full params alive as residuals.
 
 Hook for scanned layer stacks: :func:`sharded_gather` takes any 1-D shard whose full value is its
 tiled ``all_gather`` (a bucket shard, or rank ``r``'s piece of one layer of a stacked parameter)
 and a ``reduce`` for its transpose. A transform that gathers one layer per ``lax.scan`` iteration
 calls it on the per-layer slice of the shard with the per-layer slices of ``acc``/``flags`` and a
 ``reduce`` built like :func:`make_bucket_gather`'s (``_reduce_one`` on the layer's slice), and
-tags the result with :data:`GATHERED` so :func:`not_gathered_policy` does not save it.
+tags the result with :data:`GATHERED` so no policy of :func:`remat_policy_for` saves it.
 """
 
 from __future__ import annotations
@@ -43,17 +43,26 @@ from ._reduce import _reduce_one
 
 __all__ = [
     "GATHERED",
+    "SCAN_CARRY",
     "gather_full",
     "gathers_per_parameter",
     "make_bucket_gather",
     "make_leaf_gather",
     "not_gathered_policy",
+    "remat_policy_for",
     "sharded_gather",
     "zero3_value_and_grad",
 ]
 
 #: ``checkpoint_name`` of the gathered params at stage 3 (never saved as a residual).
 GATHERED = "jaxdp_gathered_params"
+
+#: ``checkpoint_name`` of each iteration's carry output in a scan whose layer stack is gathered
+#: per layer (the next layer's input; MaxText names it ``decoder_layer_input``). Saved by
+#: every policy but ``"nothing"``: jax applies the outer ``jax.checkpoint``'s policy inside the
+#: scan bodies, and without it the backward pass runs the forward loop, gathers included,
+#: once more to recompute the layer inputs.
+SCAN_CARRY = "jaxdp_scan_carry"
 
 
 def gather_full(view: Any, layout: BucketLayout, axis: str) -> Any:
@@ -120,11 +129,69 @@ _LAYOUT_PRIMITIVES = frozenset(
 
 
 def not_gathered_policy(prim: Any, *_: Any, **params: Any) -> bool:
-    """``jax.checkpoint`` policy of stage 3: save every intermediate except the gathered params
+    """``remat_policy="everything"``: save every intermediate except the gathered params
     (named :data:`GATHERED`) and anything a layout primitive derives from them."""
     if prim.name == "name":
         return bool(params.get("name") != GATHERED)
     return prim.name not in _LAYOUT_PRIMITIVES
+
+
+def gemm_policy(prim: Any, *args: Any, **params: Any) -> bool:
+    """``remat_policy="gemm"``: save only the outputs of ``dot_general`` without batch
+    dimensions (jax's ``dots_with_no_batch_dims_saveable``) and the layer inputs of gathered
+    scans (:data:`SCAN_CARRY`). Gathered params and their layout derivatives are never dots,
+    so they are recomputed (gathered again)."""
+    if prim.name == "name":
+        return bool(params.get("name") == SCAN_CARRY)
+    return bool(jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
+
+
+# cuDNN fused attention (jax.nn.dot_product_attention(implementation="cudnn")) as a policy sees
+# it: its custom_vjp's forward rule binds these (outputs: the attention output and the softmax
+# statistics the backward kernel reads). The XLA implementation is plain dot_generals.
+_FUSED_ATTENTION = frozenset(
+    {
+        "dot_product_attention_fwd_wrapper",
+        "dot_product_attention_fp8_fwd_wrapper",
+        "dot_product_attention_fwd",
+        "dot_product_attention_fp8_fwd",
+    }
+)
+
+
+def dots_policy(prim: Any, *args: Any, **params: Any) -> bool:
+    """``remat_policy="dots"``: save every ``dot_general`` (batched too), convolution and
+    cuDNN fused-attention output (jax's ``dots_saveable`` plus fused attention), and the layer
+    inputs of gathered scans (:data:`SCAN_CARRY`)."""
+    if prim.name == "name":
+        return bool(params.get("name") == SCAN_CARRY)
+    if prim.name in _FUSED_ATTENTION:
+        return True
+    return bool(jax.checkpoint_policies.dots_saveable(prim, *args, **params))
+
+
+_POLICIES: dict[str, Callable[..., bool]] = {
+    "gemm": gemm_policy,
+    "dots": dots_policy,
+    "everything": not_gathered_policy,
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def remat_policy_for(config: DDPConfig) -> Callable[..., bool]:
+    """The ``jax.checkpoint`` policy of stage 3 for ``config.remat_policy``.
+
+    The one place that maps the field to a policy: :func:`zero3_value_and_grad` and
+    :func:`jaxdp._zero3_scan.zero3_scan_value_and_grad` (outer loss and scan bodies) use it.
+    Every policy refuses the gathered params (named :data:`GATHERED`) and what layout
+    primitives derive from them, so the backward pass gathers them again.
+
+    Example:
+        >>> from jaxdp import DDPConfig
+        >>> remat_policy_for(DDPConfig(zero_stage=3)) is gemm_policy
+        True
+    """
+    return _POLICIES[config.remat_policy]
 
 
 def sharded_gather(
@@ -346,7 +413,7 @@ def zero3_value_and_grad(
                     leaves[i] = checkpoint_name(leaf, GATHERED)
             return parts(jax.tree_util.tree_unflatten(layout.treedef, leaves), mb)
         # The bucket shards are assembled from the shard view in here, not by the caller: a
-        # concatenation is not saved for the backward pass (not_gathered_policy), so the
+        # concatenation is not saved for the backward pass (by any remat policy), so the
         # backward pass assembles them again instead of keeping a copy alive between the two.
         shards = layout.shard_unview(view)
         # Gather in forward order (bucket 0 holds the output end of the model, so the last
@@ -357,6 +424,6 @@ def zero3_value_and_grad(
         return parts(layout.unpack(tuple(full)), mb)
 
     vg = jax.value_and_grad(
-        jax.checkpoint(loss, policy=not_gathered_policy), argnums=(0, 1), has_aux=True
+        jax.checkpoint(loss, policy=remat_policy_for(config)), argnums=(0, 1), has_aux=True
     )
     return vg, divisors

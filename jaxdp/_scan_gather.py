@@ -136,6 +136,7 @@ class _Ctx:
     policy: Any
     name: str
     prevent_cse: bool
+    carry_name: str | None = None
     scanned: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     whole: set[int] = dataclasses.field(default_factory=set)
 
@@ -277,6 +278,8 @@ def _scan(eqn: Any, invals: list[Any], ctx: _Ctx) -> list[Any]:
         xs_full = [xs[i].layer(full[xs[i].leaf]) if i in st else x for i, x in enumerate(xs_)]
         outs = _eval(closed.jaxpr, list(closed.consts), [*consts, *carry_, *xs_full], ctx)
         outs = [_materialize(o, ctx) for o in outs]
+        if ctx.remat and st and ctx.carry_name is not None:
+            outs[:nk] = [checkpoint_name(o, ctx.carry_name) for o in outs[:nk]]
         return outs[:nk], outs[nk:]
 
     if ctx.remat and st:
@@ -323,6 +326,7 @@ def gather_in_scans(
     policy: Callable[..., Any] | None = None,
     name: str = DEFAULT_NAME,
     prevent_cse: bool = False,
+    carry_name: str | None = None,
 ) -> Callable[..., Any]:
     """``fn2(params_mixed, *args)`` computes ``fn(params_full, *args)`` gathering stacks per layer.
 
@@ -349,10 +353,15 @@ def gather_in_scans(
             recomputed. ``nothing_saveable`` or ``save_only_these_names(...)`` also qualify.
         name: the ``checkpoint_name`` of gathered layers.
         prevent_cse: passed to ``jax.checkpoint`` (False is right inside a scan).
+        carry_name: with ``remat_gather``, also name each iteration's carry output (the next
+            layer's input). An enclosing ``jax.checkpoint`` decides what the scans save
+            (jax applies the outermost policy to nested ``checkpoint`` bodies); one whose
+            policy saves this name keeps each layer's input instead of running the forward
+            loop (and its gathers) again in the backward pass to recompute it.
     """
 
     def fn2(params_mixed: Any, *args: Any) -> Any:
-        ctx = _Ctx(gather, remat_gather, policy, name, prevent_cse)
+        ctx = _Ctx(gather, remat_gather, policy, name, prevent_cse, carry_name)
         return _run(fn, params_mixed, args, dict(stacked), gather, ctx)
 
     return fn2

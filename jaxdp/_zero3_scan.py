@@ -21,7 +21,8 @@ the loss: every layer's full params alive at once. Instead:
   so each stack enters the scan as one fp32 ``[L, 2p + 1]`` array ``[shard | acc | flag]``
   whose per-layer rows the gather splits; its cotangent carries the reduced ``[L, p]``
   gradient and one non-finite flag per layer. The scan bodies are rematerialised with
-  :func:`jaxdp._gather.not_gathered_policy`, so the backward loop gathers every layer again.
+  ``DDPConfig.remat_policy`` (:func:`jaxdp._gather.remat_policy_for`), so the backward loop
+  gathers every layer again.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ._config import DDPConfig
-from ._gather import GATHERED, make_bucket_gather, not_gathered_policy
+from ._gather import GATHERED, SCAN_CARRY, make_bucket_gather, remat_policy_for
 from ._layout import BucketLayout, path_str
 from ._scan_gather import find_scanned_axes, gather_in_scans
 from ._stacked import layer_shape
@@ -204,8 +205,15 @@ def zero3_scan_value_and_grad(
                 leaves[i] = layout._leaf_from_global(i, cols.reshape(-1))
         return leaves
 
+    policy = remat_policy_for(config)
     scanned = gather_in_scans(
-        parts, stacked, gather, remat_gather=True, policy=not_gathered_policy, name=GATHERED
+        parts,
+        stacked,
+        gather,
+        remat_gather=True,
+        policy=policy,
+        name=GATHERED,
+        carry_name=SCAN_CARRY,
     )
 
     def loss(accs: Any, flags: Any, mixed: Any, shards: Any, mb: Any) -> Any:
@@ -218,9 +226,7 @@ def zero3_scan_value_and_grad(
             leaves[i] = mixed[i]
         return scanned(jax.tree_util.tree_unflatten(layout.treedef, leaves), mb)
 
-    inner = jax.value_and_grad(
-        jax.checkpoint(loss, policy=not_gathered_policy), argnums=(0, 1, 2), has_aux=True
-    )
+    inner = jax.value_and_grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2), has_aux=True)
     divisors: list[int] = []
 
     def vg(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:

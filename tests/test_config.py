@@ -51,6 +51,8 @@ BAD_VALUES = [
     ("scan_param_patterns", "layers/", TypeError, "(regex, stacked axis) pairs"),
     ("scan_param_patterns", (("layers/", -1),), TypeError, "axis >= 0"),
     ("scan_param_patterns", (("(", 0),), ValueError, "valid regular expressions"),
+    ("remat_policy", "minimal", ValueError, "one of ('gemm', 'dots', 'everything', 'nothing')"),
+    ("remat_policy", None, TypeError, "one of ('gemm', 'dots', 'everything', 'nothing')"),
 ]
 
 
@@ -117,6 +119,8 @@ def test_every_field_has_a_bad_value_test():
             "gradient_accumulation_fusion",
             "zero_stage <= 2",
         ),
+        ({"remat_policy": "dots", "zero_stage": 2}, "remat_policy", "zero_stage=3"),
+        ({"remat_policy": "nothing"}, "remat_policy", "jax.checkpoint yourself"),
     ],
 )
 def test_invalid_combinations(kwargs, field, fragment):
@@ -189,6 +193,14 @@ def test_yaml_round_trip(tmp_path):
     cfg.to_yaml(path)
     assert DDPConfig.from_yaml(path) == cfg
     assert DDPConfig.from_yaml(path).to_yaml() == cfg.to_yaml()
+
+
+@pytest.mark.parametrize("policy", ["gemm", "dots", "everything", "nothing"])
+def test_remat_policy_from_yaml(tmp_path, policy):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"zero_stage: 3\nremat_policy: {policy}\n")
+    assert DDPConfig.from_yaml(path) == DDPConfig(zero_stage=3, remat_policy=policy)
+    assert DDPConfig.from_yaml(path).remat_policy == policy
 
 
 def test_yaml_unknown_key_is_named(tmp_path):

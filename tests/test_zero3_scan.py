@@ -61,20 +61,26 @@ def test_scanned_equals_unrolled_transformer():
     np.testing.assert_allclose(n_scan, n_unr, rtol=1e-5)
 
 
-def _engine(loss_fn=scan_mlp_loss, ndev=8, **cfg):
+def _engine(loss_fn=scan_mlp_loss, ndev=8, optimizer=None, **cfg):
     mesh = jaxdp.make_mesh(jax.devices()[:ndev])
-    return DataParallel(loss_fn, optax.adam(1e-2), DDPConfig(**cfg), mesh=mesh)
+    opt = optax.adam(1e-2) if optimizer is None else optimizer
+    return DataParallel(loss_fn, opt, DDPConfig(**cfg), mesh=mesh)
 
 
 def test_stack_at_axis_1_detected_and_trained():
-    """nn.scan(variable_axes={"params": 1}): the stacked axis is inferred as 1."""
+    """nn.scan(variable_axes={"params": 1}): the stacked axis is inferred as 1.
+
+    Momentum SGD, as the transformer runs of test_zero3.py: the attention key bias has a zero
+    true gradient, so its gradient is rounding noise that Adam would scale to steps of ~lr,
+    and the two programs (which fuse and recompute differently) round differently."""
     loss_fn = make_scan_transformer_loss(1)
     params = scan_transformer_params(param_axis=1)
     batch = make_transformer_batch()
-    dp = _engine(loss_fn, zero_stage=3, num_microbatches=2)
+    sgd = optax.sgd(0.3, momentum=0.9)
+    dp = _engine(loss_fn, optimizer=sgd, zero_stage=3, num_microbatches=2)
     state = dp.init(params, example_batch=batch)
     assert len(dp.layout.stacked) == 12 and all(ax == 1 for _, ax in dp.layout.stacked)
-    whole = _engine(loss_fn, zero_stage=3, num_microbatches=2, scan_layers=False)
+    whole = _engine(loss_fn, optimizer=sgd, zero_stage=3, num_microbatches=2, scan_layers=False)
     s_whole = whole.init(params, example_batch=batch)
     for _ in range(2):
         state, m = dp.step(state, dp.shard_batch(batch))

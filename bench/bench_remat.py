@@ -1,0 +1,309 @@
+"""Stage-3 remat policies (``DDPConfig.remat_policy``) compiled for 8 H100s: memory and traffic.
+
+Nothing executes (compile-only H100s, the ``gpu-aot`` extra). For each policy and ``G`` the
+step of ``zero_stage=3`` is compiled for 8 H100s and read two ways:
+
+* memory per device from ``compiled.memory_analysis()``: temp bytes, and the total
+  argument + output - aliased + temp (as ``bench_memory_gpu.py``);
+* memory traffic from the scheduled GPU HLO (GUIDE §4): the bytes read and written by every
+  op that is neither a GEMM (a Triton/cuBLAS GEMM fusion or custom call) nor a collective,
+  each op counted as its operands' plus its outputs' sizes (an in-place update counts its whole
+  buffer, a fusion its whole inputs), loop bodies times their trip count. "model" is the part
+  whose ``op_name`` lies under ``jvp(`` (forward, backward and the recomputation in between),
+  "all" adds the optimizer update and the rest of the step.
+
+Models: the 16-layer MLP of ``bench_memory_gpu.py`` (4.2M params, 5 buckets) and a GPT of
+``jaxdp.models`` at >= 100M params (abstract params from ``jax.eval_shape``), plus, for the
+GPT, the GSPMD peer of ``bench_zero3.py`` (plain ``jit``, fp32 master and Adam state sharded
+``P("data")``, bf16 working params replicated at use: the params of a whole step alive at
+once, as at ZeRO-1).
+
+Run: ``JAX_PLATFORMS=cpu python bench/bench_remat.py [--quick] [--model=mlp|--model=gpt]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdp import DataParallel, DDPConfig, aot
+from jaxdp._config import REMAT_POLICIES
+from jaxdp.models import GPT, GPTConfig, next_byte_loss
+
+N = 8
+MIB = 2.0**20
+
+_ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\]")
+_COMP = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "after-all",
+    "add-dependency",
+    "iota",
+}
+_COLLECTIVE = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "async-",
+    "send",
+    "recv",
+)
+_GEMM_KINDS = ('"kind":"__triton_nested_gemm_fusion"', '"kind":"__triton_gemm"', "__cublas")
+
+
+def _array_bytes(text: str) -> int:
+    total = 0
+    for dt, dims in _ARRAY.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _ITEMSIZE[dt]
+    return total
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """``'<shape> <opcode>(...)...'`` -> (shape text, the rest from the opcode on)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 2 :]
+    shape, _, tail = rest.partition(" ")
+    return shape, tail
+
+
+def _operands(tail: str) -> list[str]:
+    start = tail.index("(")
+    depth = 0
+    for i in range(start, len(tail)):
+        depth += tail[i] == "("
+        depth -= tail[i] == ")"
+        if depth == 0:
+            return re.findall(r"%([\w.\-]+)", tail[start:i])
+    return []
+
+
+def traffic(text: str) -> dict[str, float]:
+    """Bytes read + written by the non-GEMM, non-collective ops of a scheduled HLO module."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    entry, cur = None, None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            cur = comps.setdefault(m.group(1), [])
+            if line.startswith("ENTRY"):
+                entry = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if m and cur is not None:
+            shape, tail = _split_shape(m.group(2))
+            cur.append((m.group(1), shape, tail))
+    sizes = {name: _array_bytes(shape) for ins in comps.values() for name, shape, _ in ins}
+    out = {"all": 0.0, "model": 0.0, "gemm": 0.0}
+
+    def walk(comp: str, times: float) -> None:
+        for _, shape, tail in comps[comp]:
+            op = tail[: tail.index("(")] if "(" in tail else tail
+            if op == "while":
+                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', tail)
+                body = re.search(r"body=%([\w.\-]+)", tail)
+                if body:
+                    walk(body.group(1), times * (int(n.group(1)) if n else 1))
+                continue
+            if op in ("call", "conditional"):
+                for c in re.findall(r"(?:to_apply|calls|branch_computations)=\{?%([\w.\-]+)", tail):
+                    walk(c, times)
+                continue
+            if op in _FREE or op.startswith(_COLLECTIVE):
+                continue
+            moved = times * (_array_bytes(shape) + sum(sizes.get(o, 0) for o in _operands(tail)))
+            if (op == "fusion" and any(k in tail for k in _GEMM_KINDS)) or (
+                op == "custom-call" and ("gemm" in tail or "matmul" in tail)
+            ):
+                out["gemm"] += moved
+                continue
+            out["all"] += moved
+            if "jvp(" in tail:
+                out["model"] += moved
+
+    assert entry is not None, "no ENTRY computation"
+    walk(entry, 1.0)
+    return out
+
+
+def _total(m: Any) -> int:
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def _reading(compiled: Any, psi: int) -> dict[str, float]:
+    m = compiled.memory_analysis()
+    t = traffic(compiled.as_text())
+    return {
+        "temp MiB": m.temp_size_in_bytes / MIB,
+        "total MiB": _total(m) / MIB,
+        "total B/param": _total(m) / psi,
+        "traffic MiB": t["all"] / MIB,
+        "model traffic MiB": t["model"] / MIB,
+        "model traffic B/param": t["model"] / psi,
+    }
+
+
+def mlp_problem(quick: bool) -> tuple[Any, Any, Any, dict[str, Any]]:
+    layers, width, batch = (4, 128, 64) if quick else (16, 512, 256)
+    loss_fn, params, data = aot.example_mlp(layers=layers, width=width, batch=batch)
+    what = (
+        f"{layers}-layer tanh MLP of width {width} (`jaxdp.aot.example_mlp`), global batch {batch}"
+    )
+    return loss_fn, params, data, {"what": what, "bucket_size": 20_000 if quick else 1_000_000}
+
+
+def gpt_problem(quick: bool, g: int) -> tuple[Any, Any, Any, dict[str, Any]]:
+    cfg = (
+        GPTConfig(layers=2, width=128, heads=2, context=64)
+        if quick
+        else GPTConfig(layers=12, width=832, heads=13, context=512)
+    )
+    model = GPT(cfg)
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
+    )
+    per_device = 2 if quick else 8  # sequences per device and micro-batch, whatever G
+    batch = {"tokens": jax.ShapeDtypeStruct((N * per_device * g, cfg.context + 1), jnp.int32)}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return next_byte_loss(model, p, b)
+
+    what = (
+        f"GPT (`jaxdp.models.GPT`) of {cfg.layers} layers x width {cfg.width}, {cfg.heads} heads, "
+        f"context {cfg.context}, {per_device} sequences per device and micro-batch"
+    )
+    return loss_fn, params, batch, {"what": what, "bucket_size": "auto"}
+
+
+def _peer(loss_fn: Any, params: Any, batch: Any, g: int, mesh: Any, psi: int) -> dict[str, Any]:
+    from bench_zero3 import _abstract, _jit_peer
+
+    opt = optax.adamw(1e-4)
+    step, (ps, os_) = _jit_peer(loss_fn, opt, g, mesh, params)
+    bsh = NamedSharding(mesh, P("data"))
+    compiled = step.lower(
+        _abstract(params, ps),
+        _abstract(jax.eval_shape(opt.init, params), os_),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bsh), batch),
+    ).compile()
+    return _reading(compiled, psi)
+
+
+def run(model: str, quick: bool = False, gs: tuple[int, ...] = (1, 4)) -> dict[str, Any]:
+    mesh = aot.h100_mesh(N)
+    rows = []
+    info: dict[str, Any] = {}
+    for g in gs:
+        if model == "mlp":
+            loss_fn, params, batch, info = mlp_problem(quick)
+        else:
+            loss_fn, params, batch, info = gpt_problem(quick, g)
+        psi = sum(x.size for x in jax.tree.leaves(params))
+        for policy in REMAT_POLICIES:
+            cfg = DDPConfig(
+                zero_stage=3,
+                num_microbatches=g,
+                param_dtype="bfloat16",
+                bucket_size=info["bucket_size"],
+                remat_policy=policy,
+            )
+            dp = DataParallel(loss_fn, optax.adamw(1e-4), cfg, mesh=mesh)
+            t0 = time.perf_counter()
+            compiled = aot.compile_step(dp, params, batch)
+            row = {"program": f"stage 3, {policy}", "G": g, **_reading(compiled, psi)}
+            row["compile s"] = time.perf_counter() - t0
+            rows.append(row)
+            print(row, flush=True)
+        if model == "gpt":
+            t0 = time.perf_counter()
+            row = {"program": "GSPMD peer", "G": g, **_peer(loss_fn, params, batch, g, mesh, psi)}
+            row["compile s"] = time.perf_counter() - t0
+            rows.append(row)
+            print(row, flush=True)
+    return {"model": model, "psi": psi, "what": info["what"], "rows": rows}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    keys = [
+        "temp MiB",
+        "total MiB",
+        "total B/param",
+        "traffic MiB",
+        "model traffic MiB",
+        "model traffic B/param",
+    ]
+    lines = [
+        f"{res['what']}, Ψ = {res['psi']:,}, bf16 working params, fp32 master, AdamW, "
+        "8 compile-only H100s, jaxdp's XLA flags.",
+        "",
+        "| program | G | " + " | ".join(keys) + " | compile s |",
+        "|---|---:|" + "---:|" * (len(keys) + 1),
+    ]
+    for r in res["rows"]:
+        vals = " | ".join(f"{r[k]:.2f}" for k in keys)
+        lines.append(f"| {r['program']} | {r['G']} | {vals} | {r['compile s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    quick = "--quick" in argv
+    models = [a.split("=", 1)[1] for a in argv if a.startswith("--model=")] or ["mlp", "gpt"]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    for model in models:
+        print(markdown(run(model, quick)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

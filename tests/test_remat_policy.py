@@ -1,0 +1,171 @@
+"""DDPConfig.remat_policy: what stage 3's jax.checkpoint saves, and that it changes no numbers.
+
+* Every policy yields the gradients of ``"everything"`` (jaxdp's policy before the field),
+  bit for bit, on the small transformer, unrolled and ``nn.scan``-stacked (whose scan bodies
+  take the same policy), with bf16 working params and micro-batches.
+* No policy saves a gathered param (named ``GATHERED``) or a layout primitive's output; the
+  policies differ where documented (batched dots, cuDNN fused attention).
+* Compiled for 8 compile-only H100s (a small GPT), every policy gathers the params again in
+  the backward pass, and the default's temporaries are at most those of ``"everything"``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import capture_grads
+from _transformer import (
+    scan_transformer_loss,
+    scan_transformer_params,
+    transformer_batches,
+    transformer_loss,
+    transformer_params,
+)
+from jax.ad_checkpoint import checkpoint_name
+from test_zero3_aot import stage3_collectives
+
+import jaxdp
+from jaxdp import DataParallel, DDPConfig, aot
+from jaxdp._config import REMAT_POLICIES
+from jaxdp._gather import _LAYOUT_PRIMITIVES, GATHERED, SCAN_CARRY, remat_policy_for
+from jaxdp.models import GPT, GPTConfig, next_byte_loss
+
+MODELS = {
+    "transformer": (transformer_loss, transformer_params),
+    "scan_transformer": (scan_transformer_loss, scan_transformer_params),
+}
+
+
+@functools.cache
+def _grads(model, policy):
+    """The reduced gradient of one stage-3 step (bf16 params, G = 2, several buckets)."""
+    loss_fn, make_params = MODELS[model]
+    cfg = DDPConfig(
+        zero_stage=3,
+        num_microbatches=2,
+        param_dtype="bfloat16",
+        bucket_size=300,
+        remat_policy=policy,
+    )
+    dp = DataParallel(loss_fn, capture_grads(), cfg, mesh=jaxdp.make_mesh())
+    batch = transformer_batches(32, 1)[0]
+    state = dp.init(make_params(), example_batch=batch)
+    assert len(dp.layout.buckets) > 3
+    assert bool(dp.layout.stacked) == (model == "scan_transformer")
+    batch = dp.shard_batch(batch)
+    # XLA:CPU may keep a bf16 intermediate in f32 inside a fusion ("excess precision"), and
+    # what a policy saves decides what is fused: such roundings then differ by a bf16 ulp in
+    # a few local gradients (seen on the scanned transformer). Without that rewrite the
+    # programs compute the same numbers.
+    step = dp.step.lower(state, batch).compile(
+        compiler_options={"xla_allow_excess_precision": False}
+    )
+    state, metrics = step(state, batch)
+    return jax.device_get(state.opt_state), float(metrics["loss"])
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "everything"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_policy_gives_the_same_gradients(model, policy):
+    """Rematerialisation recomputes the same ops on the same inputs: the gradients are those
+    of saving everything, bit for bit (with XLA:CPU's excess-precision rewrite off, see
+    _grads)."""
+    grads, loss = _grads(model, policy)
+    want, want_loss = _grads(model, "everything")
+    assert loss == want_loss
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _saved(policy, fn, *args):
+    """``[(primitive name, saved?)]`` for the equations of ``fn``'s jaxpr, in order."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [
+        (e.primitive.name, bool(policy(e.primitive, *[v.aval for v in e.invars], **e.params)))
+        for e in jaxpr.eqns
+    ]
+
+
+def test_policies_save_what_they_document():
+    def layer(w, x):
+        w = checkpoint_name(w, GATHERED)
+        w = jnp.transpose(w.astype(jnp.bfloat16).reshape(8, 8))  # layout of the gathered param
+        h = jnp.tanh(x @ w)  # a GEMM (no batch dims)
+        return jnp.einsum("bqd,bkd->bqk", h, h)  # a batched dot (attention scores)
+
+    args = (jnp.ones((64,), jnp.float32), jnp.ones((2, 4, 8), jnp.bfloat16))
+    saved = {
+        p: _saved(remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p)), layer, *args)
+        for p in REMAT_POLICIES
+    }
+    names = [n for n, _ in saved["gemm"]]
+    assert names == [
+        "name", "convert_element_type", "reshape", "transpose", "dot_general", "tanh",
+        "dot_general",
+    ]  # fmt: skip
+    for p, s in saved.items():  # never the gathered param or what layout primitives derive
+        assert not any(v for _, v in s[:4]), (p, s)
+    flags = {p: [v for _, v in s[4:]] for p, s in saved.items()}  # GEMM, tanh, batched dot
+    assert flags == {
+        "gemm": [True, False, False],
+        "dots": [True, False, True],
+        "everything": [True, True, True],
+        "nothing": [False, False, False],
+    }
+    # the layer inputs of gathered scans: kept unless everything is recomputed (else the
+    # backward pass would run the forward loop again, gathers included)
+    carry = jax.make_jaxpr(lambda h: checkpoint_name(h, SCAN_CARRY))(args[1]).jaxpr.eqns[0]
+    for p in REMAT_POLICIES:
+        policy = remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p))
+        assert policy(carry.primitive, carry.invars[0].aval, **carry.params) == (p != "nothing")
+    # every primitive "everything" treats as layout is refused by every policy
+    for name in _LAYOUT_PRIMITIVES:
+        prim = jax.extend.core.Primitive(name)
+        for p in REMAT_POLICIES:
+            assert not remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p))(prim), (p, name)
+
+
+def test_dots_saves_cudnn_fused_attention():
+    """jax.nn.dot_product_attention(implementation="cudnn") reaches a policy as this primitive
+    (its custom_vjp's forward rule; checked by tracing with cuDNN's version checks patched)."""
+    prim = jax.extend.core.Primitive("dot_product_attention_fwd_wrapper")
+    assert remat_policy_for(DDPConfig(zero_stage=3, remat_policy="dots"))(prim)
+    assert not remat_policy_for(DDPConfig(zero_stage=3))(prim)
+
+
+# ---------------------------------------------------------------- 8 compile-only H100s
+@functools.cache
+def _compiled(mesh, policy):
+    cfg = GPTConfig(layers=2, width=256, heads=4, context=128)
+    model = GPT(cfg)
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
+    )
+    batch = {"tokens": jax.ShapeDtypeStruct((8 * 8, cfg.context + 1), jnp.int32)}
+    dcfg = DDPConfig(zero_stage=3, param_dtype="bfloat16", bucket_size=400_000, remat_policy=policy)
+    dp = DataParallel(lambda p, b: next_byte_loss(model, p, b), optax.adamw(1e-3), dcfg, mesh=mesh)
+    compiled = aot.compile_step(dp, params, batch)
+    return dp, aot.schedule_report(compiled), compiled.memory_analysis()
+
+
+@pytest.mark.parametrize("policy", REMAT_POLICIES)
+def test_every_policy_gathers_again_in_the_backward(h100, policy):
+    dp, report, _ = _compiled(h100, policy)
+    lay = dp.layout
+    moved = sum(lay.dp_size * (s.end - s.start) for s in lay.slots)
+    biggest = max(b.numel for b in lay.buckets)
+    gathers, _ = stage3_collectives(report, dp)
+    # each param gathered in the forward pass and what the backward pass reads gathered again
+    # (all of it where the embedding lookup is recomputed, "gemm" and "nothing"); counted over
+    # the whole step, as XLA may schedule a forward gather (the head's bias) after a re-gather
+    assert 2 * moved - biggest <= sum(c.elements for c in gathers) <= 2 * moved, report
+
+
+def test_default_policy_needs_no_more_temp_memory_than_everything(h100):
+    assert DDPConfig().remat_policy == "gemm"
+    gemm = _compiled(h100, "gemm")[2].temp_size_in_bytes
+    everything = _compiled(h100, "everything")[2].temp_size_in_bytes
+    assert gemm <= everything, (gemm, everything)
