@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from _gpt_nn import gpt_batches, gpt_loss, gpt_params
-from _models import capture_grads, max_rel_err
+from _models import capture_grads
 from flax import nnx
 
 from jaxdp import DataParallel, DDPConfig, nn
@@ -205,13 +205,57 @@ def test_gpt_parity_bf16(stage):
     np.testing.assert_allclose(fused, plain, atol=1e-2)
 
 
+# fp32 params: fusion changes only *how* the weight gradients are summed (its custom_vjp's dot
+# instead of AD's transpose; XLA:CPU blocks and vectorises each differently per program and per
+# CPU), so the test compares one step's reduced gradients. It used to compare params after 4
+# AdamW steps, which failed on AMD Zen 4 CI machines (2.9e-2 against 1e-6): Adam turns rounding
+# noise in a gradient whose true value is 0 into a step of up to ~lr, and the attention key bias
+# has such a gradient (softmax cancels it: |g| ~ 3e-9 here, pure noise), so the params parted
+# while the gradients agreed to a few ulps.
+#
+# Tolerance. Each gradient element is an fp32 sum of n products, and both programs form the same
+# sums, possibly in other orders. With rounding errors modelled as independent, zero-mean and
+# |delta| <= u = 2**-24 (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019), one order's error is
+# <~ sqrt(n) u sum|terms|, two orders differ by at most twice that, and over a leaf the norm of
+# the errors follows with the leaf's norm in place of sum|terms| (little cancellation; checked
+# below). At most n = batch * seq * seq = 2048 products feed one element (a weight gradient sums
+# 256 tokens; upstream of the attention the cotangents also sum over 8 keys), so per leaf
+#     ||g_fused - g_plain|| <= 2 sqrt(2048) u ||g_plain|| = 5.4e-6 ||g_plain||.
+# A leaf whose true gradient is 0 (all cancellation) holds only rounding noise, set by the size
+# of its summands rather than by its own norm: such leaves are measured against the model's
+# gradient scale instead, the RMS of the leaf norms (0.32 here; the key bias is only a slice of
+# the qkv bias leaf, whose q and v parts give it a norm of 0.2).
+# Check: the engine's gradient and jax.grad on one device (another summation order throughout)
+# differ by <= 11 u = 6.6e-7 per leaf with SSE4.2, AVX and AVX2 code, and scaling the fused
+# weight gradient by (1 + 1e-4) fails this test.
+GRAD_RTOL = 2 * np.sqrt(32 * 8 * 8) * 2.0**-24
+
+
+def grad_rel_errs(a, b):
+    """Per-leaf ||a - b|| / max(||b||, RMS of b's leaf norms), keyed by path."""
+    la = jax.tree_util.tree_flatten_with_path(a)[0]
+    lb = jax.tree.leaves(b)
+    scale = np.sqrt(sum(float(jnp.sum(y**2)) for y in lb) / len(lb))
+    return {
+        jax.tree_util.keystr(k, simple=True, separator="/"): float(
+            jnp.linalg.norm((x - y).ravel()) / max(float(jnp.linalg.norm(y.ravel())), scale)
+        )
+        for (k, x), y in zip(la, lb, strict=True)
+    }
+
+
 def test_gpt_parity_fp32():
-    params, batches = gpt_params(), gpt_batches(32, 4)
+    params, batch = gpt_params(), gpt_batches(32, 1)[0]
     cfg = DDPConfig(zero_stage=1, num_microbatches=2, bucket_size=2000)
     loss_fn = gpt_loss(jnp.float32)
-    fused, p_fused = _train(
-        cfg.replace(gradient_accumulation_fusion=True), loss_fn, params, batches
-    )
-    plain, p_plain = _train(cfg, loss_fn, params, batches)
-    np.testing.assert_allclose(fused, plain, rtol=1e-6)
-    assert max_rel_err(p_fused, p_plain) < 1e-6
+    out = {}
+    for fuse in (True, False):
+        dp = DataParallel(loss_fn, capture_grads(), cfg.replace(gradient_accumulation_fusion=fuse))
+        state = dp.init(params)
+        state, m = dp.step(state, dp.shard_batch(batch))
+        out[fuse] = float(m["loss"]), reduced_grad(dp, state)
+    (loss_f, g_fused), (loss_p, g_plain) = out[True], out[False]
+    np.testing.assert_allclose(loss_f, loss_p, rtol=1e-6)
+    errs = grad_rel_errs(g_fused, g_plain)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= GRAD_RTOL, (worst, errs[worst], GRAD_RTOL)
