@@ -230,8 +230,9 @@ class DDPConfig:
             100.7M-parameter GPT, 12 layers of width 832, context 512, ``G = 1``), per device:
             ``"gemm"`` 2.48 GiB and 15.5 GiB of non-GEMM memory traffic, ``"everything"``
             4.92 GiB and 21.3 GiB, ``"nothing"`` 3.27 GiB, ``"dots"`` 2.15 GiB (but 3.83 GiB
-            against ``"gemm"``'s 2.32 at context 1024, same tokens); on one H100 (issue 21, a
-            304M GPT) ``"gemm"`` took the step from 1.26x to 1.10x of plain ``jit``.
+            against ``"gemm"``'s 2.32 at context 1024, same tokens); on one H100 (a 304M GPT,
+            measured before this field with a patched policy of the same rule) saving GEMM
+            outputs only took the step from 1.26x to 1.10x of plain ``jit``.
             Limitation: a policy sees shapes, not provenance, so a GEMM whose operands both
             come from gathered params only (e.g. a low-rank ``A @ B`` weight) is saved by
             every policy but ``"nothing"`` (its operands are still gathered again for their
