@@ -20,30 +20,40 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_two_processes_match_reference(tmp_path, stage):
-    port = free_port()
+def run_workers(argvs, timeout=240):
+    """Run ``python ARGV`` once per entry, concurrently (no XLA_FLAGS/JAX_PLATFORMS inherited),
+    and return their outputs; fails the test on a timeout or a non-zero exit."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, str(i), "2", str(port), str(tmp_path), str(stage)],
+            [sys.executable, *argv],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i in range(2)
+        for argv in argvs
     ]
     outs = []
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=240)[0])
+            outs.append(p.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             pytest.fail("multi-process run timed out")
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_two_processes_match_reference(tmp_path, stage):
+    port = free_port()
+    outs = run_workers(
+        [[WORKER, str(i), "2", str(port), str(tmp_path), str(stage)] for i in (0, 1)]
+    )
+    for out in outs:
         assert "8 devices" in out, out[-3000:]
     ref, _ = reference_train(
         mse_loss, optax.adam(1e-2), mlp_params(), [make_batch(32, seed=s) for s in range(3)]

@@ -80,34 +80,12 @@ def test_a_single_key_is_rejected_with_the_fix():
 
 def test_two_processes_shard_keys(tmp_path):
     import os
-    import subprocess
-    import sys
 
-    from test_multiprocess import free_port
+    from test_multiprocess import free_port, run_workers
 
     worker = os.path.join(os.path.dirname(__file__), "mp", "key_worker.py")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(i), str(port), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("multi-process run timed out")
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+    run_workers([[worker, str(i), str(port), str(tmp_path)] for i in (0, 1)])
     ref, _ = reference_train(dropout_loss, optax.sgd(0.1), mlp_params(), key_batches())
     want = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(ref)])
     tol = 64 * float(jnp.finfo(jnp.float32).eps)
