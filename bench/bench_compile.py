@@ -149,14 +149,14 @@ class _Timed:
 
 def jaxdp_step(layers: int, mesh: Any, abstract: bool, stage: int) -> dict[str, float]:
     """layout / optimizer probe / init / lower / compile CPU seconds of a fresh jaxdp engine."""
-    import jaxdp._engine as engine_module
+    import jaxdp._plan as plan_module
 
     cfg = jaxdp.DDPConfig(zero_stage=stage)
     clock = _Clock()
     params = _params(layers, abstract)
     with (
-        _Timed(engine_module, "check_optimizer") as probe,
-        _Timed(engine_module.BucketLayout, "from_params") as layout,
+        _Timed(plan_module, "check_optimizer") as probe,
+        _Timed(plan_module.BucketLayout, "from_params") as layout,
     ):
         engine = jaxdp.DataParallel(_loss_fn(layers), optax.adamw(1e-3), cfg, mesh=mesh)
         if abstract:

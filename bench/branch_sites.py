@@ -16,8 +16,15 @@ import collections
 import pathlib
 
 QUESTIONS = {
-    "ZeRO stage": {"zero_stage", "sharded", "shards_params", "zero3", "deferred",
-                   "use_distributed_optimizer", "_sharded"},
+    "ZeRO stage": {
+        "zero_stage",
+        "sharded",
+        "shards_params",
+        "zero3",
+        "deferred",
+        "use_distributed_optimizer",
+        "_sharded",
+    },
     "multi-axis mesh": {"_multi", "trivial", "expert_axis", "groups", "auto_axes", "manual_axes"},
     "scan stacks": {"stacked", "scan_layers", "stack_of"},
     "layout kind": {"kind", "gathers_per_parameter"},
@@ -53,9 +60,9 @@ def sites(root: pathlib.Path) -> dict[str, list[tuple[str, int]]]:
         rel = str(path.relative_to(root.parent))
         for node in ast.walk(tree):
             tests = []
-            if isinstance(node, ast.If) and not _only_raises(node.body):
-                tests.append(node.test)
-            elif isinstance(node, ast.IfExp):
+            if (isinstance(node, ast.If) and not _only_raises(node.body)) or isinstance(
+                node, ast.IfExp
+            ):
                 tests.append(node.test)
             elif isinstance(node, ast.comprehension):
                 tests.extend(node.ifs)
@@ -76,8 +83,10 @@ def main() -> None:
     for q in QUESTIONS:
         s = found.get(q, [])
         per = collections.Counter(f for f, _ in s)
-        print(f"{q}: {len(s)} sites in {len(per)} files  " +
-              ", ".join(f"{f.removeprefix('jaxdp/')} {n}" for f, n in per.most_common()))
+        print(
+            f"{q}: {len(s)} sites in {len(per)} files  "
+            + ", ".join(f"{f.removeprefix('jaxdp/')} {n}" for f, n in per.most_common())
+        )
         if args.where:
             for f, line in s:
                 print(f"    {f}:{line}")

@@ -18,19 +18,17 @@ checkpoint from another model is refused with the name of the first parameter th
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._engine import DataParallel, TrainState
-from ._layout import BucketLayout
+from ._engine import DataParallel
+from ._state import TrainState
 
 __all__ = ["CheckpointManager", "CheckpointMismatchError"]
 
@@ -47,74 +45,6 @@ def _key(i: int) -> str:
 
 def _leaf_paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-class _Slot:
-    def __init__(
-        self,
-        key_path: tuple[Any, ...],
-        shape: tuple[int, ...],
-        padded: int,
-        index: int,
-        view_shape: tuple[int, ...] | None = None,
-        convert: Any = None,
-    ):
-        self.key_path, self.shape, self.padded, self.index = key_path, shape, padded, index
-        # Params split over other mesh axes: [blocks, padded] views and the plan's converters.
-        self.view_shape = (padded,) if view_shape is None else view_shape
-        self.convert = convert
-
-    def from_view(self, layout: BucketLayout, v: Any) -> Any:
-        if self.convert is not None:
-            return self.convert[1](v)
-        return layout._leaf_from_global(self.index, v)  # a layer stack is kept per layer
-
-    def to_view(self, layout: BucketLayout, x: Any) -> Any:
-        if self.convert is not None:
-            return self.convert[0](x)
-        return layout._leaf_to_global(self.index, x)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-
-def _plan(engine: DataParallel) -> Any:
-    """The engine's plan when params are split over other mesh axes, else None (1-D path)."""
-    return engine._plan if engine._multi else None
-
-
-def _full_shapes(engine: DataParallel) -> list[tuple[int, ...]]:
-    plan = _plan(engine)
-    if plan is None:
-        return [s.shape for s in engine.layout.slots]
-    return [ls.shape for ls in plan.leaves]
-
-
-def _slot_keys(layout: BucketLayout, plan: Any = None) -> list[_Slot]:
-    # The layout's treedef flattens in slot order; rebuild key paths from a dummy tree.
-    dummy = jax.tree_util.tree_unflatten(layout.treedef, list(range(len(layout.slots))))
-    kps = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
-    if plan is not None:
-        views = plan.view_shapes(layout)
-        return [
-            _Slot(
-                kp,
-                ls.shape,
-                (s.end - s.start) * layout.dp_size,
-                i,
-                views[i],
-                (
-                    functools.partial(plan.leaf_to_view, i, layout),
-                    functools.partial(plan.leaf_from_view, i, layout),
-                ),
-            )
-            for i, (kp, s, ls) in enumerate(zip(kps, layout.slots, plan.leaves, strict=True))
-        ]
-    return [
-        _Slot(kp, s.shape, (s.end - s.start) * layout.dp_size, i)
-        for i, (kp, s) in enumerate(zip(kps, layout.slots, strict=True))
-    ]
 
 
 class CheckpointManager:
@@ -191,20 +121,19 @@ class CheckpointManager:
         self.close()
 
     # ------------------------------------------------------------------ canonical form
+    @property
+    def _strategy(self) -> Any:
+        return self.engine.plan.strategy
+
+    def _param_paths(self) -> list[str]:
+        return _leaf_paths(self._strategy.full_params())
+
+    def _canonical_opt_abstract(self) -> Any:
+        """The optimizer state's structure over param-shaped (not view-shaped) weights."""
+        return jax.eval_shape(self.engine.optimizer.init, self._strategy.full_params(jnp.float32))
+
     def _canonical_fn(self, state: TrainState) -> dict[str, Any]:
-        eng, layout = self.engine, self.engine.layout
-        sharded = eng.config.zero_stage >= 1
-        master = state.master
-        opt = state.opt_state
-        if sharded:
-            plan = _plan(eng)
-            opt = _opt_from_view(opt, state.master, layout, plan)
-            master = (
-                plan.from_global_view(layout, master) if plan else layout.from_global_view(master)
-            )
-        params = state.params
-        if eng.config.shards_params:  # stage 3 / overlap_param_gather: the shard view
-            params = layout.from_global_view(params)
+        params, master, opt = self._strategy.to_canonical(state)
         out: dict[str, Any] = {
             "step": state.step,
             "params": _as_dict(params),
@@ -215,13 +144,12 @@ class CheckpointManager:
         return out
 
     def _meta(self, canonical: Any, opt_paths: list[str]) -> dict[str, Any]:
-        layout = self.engine.layout
-        slots = _slot_keys(layout, _plan(self.engine))
+        full = jax.tree_util.tree_leaves(self._strategy.full_params())
         return {
             "format": _FORMAT,
             "params": [
-                [jax.tree_util.keystr(s.key_path), list(s.shape), sl.dtype]
-                for s, sl in zip(slots, layout.slots, strict=True)
+                [p, list(x.shape), jnp.dtype(x.dtype).name]
+                for p, x in zip(self._param_paths(), full, strict=True)
             ],
             "has_master": "master" in canonical,
             "opt_state": [
@@ -257,7 +185,7 @@ class CheckpointManager:
                 self._canonical_fn, out_shardings=self._canonical_shardings(abstract)
             )
         canonical = self._to_canonical(state)
-        opt_paths = _leaf_paths(_canonical_opt_abstract(self.engine))
+        opt_paths = _leaf_paths(self._canonical_opt_abstract())
         meta = self._meta(canonical, opt_paths)
         self._mngr.save(
             int(step),
@@ -310,17 +238,16 @@ class CheckpointManager:
 
     def _target(self, meta: dict[str, Any], where: str) -> dict[str, Any]:
         """The canonical tree this engine expects, checked against the checkpoint's metadata."""
-        eng, layout = self.engine, self.engine.layout
         if meta.get("format") != _FORMAT:
             raise CheckpointMismatchError(
                 f"CheckpointManager.restore: {where} has format {meta.get('format')!r}; "
                 f"expected {_FORMAT}. Fix: restore it with the jaxdp version that wrote it."
             )
         saved = {p: (tuple(s), d) for p, s, d in meta["params"]}
-        slots = _slot_keys(layout, _plan(eng))
+        full = self._strategy.full_params()
         want = {
-            jax.tree_util.keystr(s.key_path): (tuple(s.shape), sl.dtype)
-            for s, sl in zip(slots, layout.slots, strict=True)
+            p: (tuple(x.shape), jnp.dtype(x.dtype).name)
+            for p, x in zip(self._param_paths(), jax.tree_util.tree_leaves(full), strict=True)
         }
         for p, (shape, _) in want.items():
             if p not in saved:
@@ -342,13 +269,9 @@ class CheckpointManager:
                 f"(shape {saved[extra[0]][0]}), which this model does not have. Fix: build the "
                 "model the checkpoint was trained with, or train from scratch."
             )
-        params = jax.tree_util.tree_unflatten(
-            layout.treedef,
-            [jnp.zeros(sh, s.dtype) for sh, s in zip(_full_shapes(eng), layout.slots, strict=True)],
-        )
-        abstract = jax.eval_shape(eng._init_fn, params)
+        abstract = jax.eval_shape(self._strategy.init_state, full)
         canonical = jax.eval_shape(self._canonical_fn, abstract)
-        opt_paths = _leaf_paths(_canonical_opt_abstract(eng))
+        opt_paths = _leaf_paths(self._canonical_opt_abstract())
         got = [(p, tuple(s)) for p, s, _ in meta["opt_state"]]
         exp = [(p, tuple(x.shape)) for p, x in zip(opt_paths, canonical["opt_state"].values())]
         if got != exp:
@@ -369,36 +292,12 @@ class CheckpointManager:
         return canonical
 
     def _from_canonical_fn(self, c: dict[str, Any]) -> TrainState:
-        eng, layout = self.engine, self.engine.layout
-        treedef = layout.treedef
+        treedef = self.engine.layout.treedef
         params = _from_dict(c["params"], treedef)
-        work_dt = [jnp.dtype(eng.config.param_dtype or s.dtype) for s in layout.slots]
-        mdt = eng._master_dtype(layout)
-        saved_master = _from_dict(c["master"], treedef) if "master" in c else None
-        # Without saved master weights the params were fp32 (stage 0): they are the master.
-        full_master = saved_master if saved_master is not None else params
-        params = jax.tree_util.tree_unflatten(
-            treedef,
-            [x.astype(d) for x, d in zip(jax.tree.leaves(params), work_dt, strict=True)],
-        )
-        abstract = jax.eval_shape(eng._init_fn, params)
-        opt_def = jax.tree_util.tree_structure(_canonical_opt_abstract(eng))
+        master = _from_dict(c["master"], treedef) if "master" in c else None
+        opt_def = jax.tree_util.tree_structure(self._canonical_opt_abstract())
         opt = jax.tree_util.tree_unflatten(opt_def, list(c["opt_state"].values()))
-        if eng.config.zero_stage >= 1:
-            plan = _plan(eng)
-            if plan is None:
-                master = layout.to_global_view(full_master, mdt)
-            else:
-                master = plan.to_global_view(layout, full_master, mdt)
-            opt = _opt_to_view(opt, abstract.opt_state, layout, plan)
-        elif abstract.master is None:
-            master = None
-        else:
-            master = jax.tree.map(lambda x: x.astype(mdt), full_master)
-        opt = jax.tree.map(lambda x, a: x.astype(a.dtype), opt, abstract.opt_state)
-        if eng.config.shards_params:
-            params = layout.to_global_view(params)
-        return TrainState(step=c["step"], params=params, master=master, opt_state=opt)
+        return self._strategy.from_canonical(c["step"], params, master, opt)
 
 
 def _as_dict(tree: Any) -> dict[str, Any]:
@@ -407,79 +306,3 @@ def _as_dict(tree: Any) -> dict[str, Any]:
 
 def _from_dict(d: dict[str, Any], treedef: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [d[k] for k in sorted(d)])
-
-
-def _canonical_opt_abstract(engine: DataParallel) -> Any:
-    """The optimizer state's structure over param-shaped (not view-shaped) weights."""
-    layout = engine.layout
-    params = jax.tree_util.tree_unflatten(
-        layout.treedef, [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in _full_shapes(engine)]
-    )
-    return jax.eval_shape(engine.optimizer.init, params)
-
-
-def _slot_for(path: tuple[Any, ...], slots: list[_Slot]) -> _Slot | None:
-    for s in slots:
-        n = len(s.key_path)
-        if n and tuple(path[-n:]) == tuple(s.key_path):
-            return s
-    return None
-
-
-def _opt_from_view(opt: Any, master_view: Any, layout: BucketLayout, plan: Any = None) -> Any:
-    """Optimizer state over the global view -> the same leaves in their parameters' shapes."""
-    if layout.kind == "megatron":
-        view_def = jax.tree_util.tree_structure(master_view)
-
-        def is_view(x: Any) -> bool:
-            return _same_def(x, view_def) and all(
-                getattr(a, "shape", None) == b.shape
-                for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(master_view))
-            )
-
-        return jax.tree.map(
-            lambda x: layout.from_global_view(x) if is_view(x) else x, opt, is_leaf=is_view
-        )
-    slots = _slot_keys(layout, plan)
-
-    def conv(path: tuple[Any, ...], x: Any) -> Any:
-        s = _slot_for(path, slots)
-        if s is None or x.shape != s.view_shape:
-            return x
-        return s.from_view(layout, x)
-
-    return jax.tree_util.tree_map_with_path(conv, opt)
-
-
-def _opt_to_view(opt: Any, view_opt: Any, layout: BucketLayout, plan: Any = None) -> Any:
-    """Inverse of :func:`_opt_from_view`, given the engine's (abstract) view-shaped state."""
-    if layout.kind == "megatron":
-        dummy = jax.tree_util.tree_unflatten(
-            layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
-        )
-        pdef = jax.tree_util.tree_structure(dummy)
-        shapes = [s.shape for s in layout.slots]
-
-        def is_param(x: Any) -> bool:
-            return (
-                _same_def(x, pdef)
-                and [getattr(a, "shape", None) for a in jax.tree.leaves(x)] == shapes
-            )
-
-        return jax.tree.map(
-            lambda x: layout.to_global_view(x) if is_param(x) else x, opt, is_leaf=is_param
-        )
-    slots = _slot_keys(layout, plan)
-
-    def conv(path: tuple[Any, ...], x: Any, v: Any) -> Any:
-        s = _slot_for(path, slots)
-        if s is None or v.shape != s.view_shape:
-            return x
-        return s.to_view(layout, x)
-
-    return jax.tree_util.tree_map_with_path(conv, opt, view_opt)
-
-
-def _same_def(tree: Any, treedef: Any) -> bool:
-    mine: Any = jax.tree_util.tree_structure(tree)
-    return bool(mine == treedef)

@@ -1,30 +1,24 @@
 """``DataParallel``: a jitted training step with bucketed gradient reduction and ZeRO 0-3.
 
-One step, all in one XLA program:
+This module is the facade: argument checks, ``init``, batch placement and checks, and the
+jitted step. Every variant question (ZeRO stage, mesh kind, layout, scanned layer stacks) is
+decided once, in ``init``, by the plan (:mod:`jaxdp._plan`), which builds the strategy
+(:mod:`jaxdp._strategy`). The step is then one straight line:
 
-1. ``shard_map`` over the data axis: each rank computes the gradient of its local batch with
-   respect to a *varying* copy of the replicated params (so autodiff inserts no collective),
-   accumulating micro-batches ``1..G-1`` in a ``lax.scan`` into flat fp32 bucket buffers with no
-   communication; the last micro-batch is peeled out of the scan so that its backward pass and
-   the bucket collectives sit in one straight-line region XLA can overlap. Then one collective
-   per bucket: all-reduce (stage 0) or reduce-scatter (stages 1-2). Stage 2 reduce-scatters
-   every micro-batch into a sharded accumulator instead (``G`` times the communication,
-   ``1/dp`` of the accumulator memory).
-2. Global-norm clipping (fp32 norm over all shards) and the optax update, on sharded arrays
-   (stages >= 1: rank ``r`` updates its shard of the fp32 master weights and optimizer state).
-3. Stages 1-2: one all-gather per bucket rebuilds the working params in ``param_dtype``.
-   Stage 3 and ``overlap_param_gather`` keep them sharded instead (the cast of the new master
-   shards) and gather them inside the next step (:mod:`jaxdp._gather`).
+1. ``strategy.local_step``: in a ``shard_map`` over the data-parallel group, each rank
+   computes its local gradients micro-batch by micro-batch and reduces them bucket by bucket
+   (:mod:`jaxdp._local`, :mod:`jaxdp._kernels`);
+2. global-norm clipping and the optax update on the strategy's view of the master weights
+   (:mod:`jaxdp._update`; sharded at stages >= 1, so each rank updates its shard);
+3. ``strategy.rebuild``: the working params (gathered, cast, or kept sharded).
 
-This module is the facade: state, shardings, batch checks and the jitted step. The per-device
-half (1.) is :mod:`jaxdp._local`, the global half (2., 3.) :mod:`jaxdp._update`.
+See README "Architecture" for the whole flow.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,54 +28,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
+from ._group import ReductionGroup
 from ._layout import BucketLayout
-from ._local import local_gradients
-from ._mesh import auto_mesh, make_mesh
-from ._multiaxis import (
-    batch_spec,
-    check_mesh,
-    dense_dp,
-    gather,
-    layout_for,
-    local_step,
-    read_plan,
-    state_shardings,
-)
-from ._optim_check import check_optimizer
+from ._mesh import auto_mesh, check_mesh, make_mesh
+from ._plan import Plan, build_plan, check_supported
+from ._state import TrainState
 from ._step import _batch_signature, _Step
-from ._update import gather_params, optimizer_update
-from ._zero3_scan import find_stacks, warn_if_undetected
+from ._update import optimizer_update
+from ._zero3_scan import warn_if_undetected
 
 __all__ = ["DataParallel", "TrainState"]
-
-
-class TrainState(NamedTuple):
-    """The training state, a pytree of globally sharded arrays.
-
-    Attributes:
-        step: number of completed steps (int32 scalar, replicated).
-        params: working params in ``param_dtype``. Replicated params-shaped tree at stages 0-2
-            (what the forward pass uses). With ``zero_stage=3`` or ``overlap_param_gather``
-            they are sharded like ``master``: the layout's shard view (interleaved: one 1-D
-            leaf per parameter, flattened and zero-padded to a multiple of dp; megatron: one
-            array per bucket), cast to ``param_dtype`` and sharded ``P(data_axis)``, so each
-            rank holds ``1/dp`` of them between steps; the step gathers them bucket by bucket.
-            Scanned layer stacks at stage 3 (``BucketLayout.stacked``) are laid out per layer
-            instead (rank ``r``'s block is piece ``r`` of every layer) and gathered one layer
-            per scan iteration.
-            Always the cast of ``master`` to the working dtype.
-        master: fp32 master weights. ``None`` at stage 0 when the params are already fp32;
-            replicated params-shaped tree at stage 0; at stages >= 1 the layout's sharded view
-            (interleaved: each parameter flattened and zero-padded to a multiple of dp,
-            sharded over the data axis).
-        opt_state: the optax state of ``master`` (or of ``params`` when ``master`` is None),
-            sharded like it.
-    """
-
-    step: jax.Array
-    params: Any
-    master: Any
-    opt_state: Any
 
 
 class DataParallel:
@@ -140,26 +96,39 @@ class DataParallel:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
-        check_mesh(mesh, config)
+        check_supported(config)
+        check_mesh(mesh, config.data_axis, config.expert_axis)
         self.mesh = auto_mesh(make_mesh(mesh, axis=config.data_axis))
-        self.dp = dense_dp(self.mesh, config)  # |data| (x |expert| with expert parallelism)
+        self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
+        self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
-        self._layout: BucketLayout | None = None
+        self._plan: Plan | None = None
         self._batch_sig: Any = None
         self._step: _Step | None = None
         self._export: Any = None
-        self._plan: Any = None  # the params' shardings over the other mesh axes (_sharding.py)
 
     # ------------------------------------------------------------------ properties
     @property
+    def plan(self) -> Plan:
+        """What ``init`` decided (:class:`jaxdp._plan.Plan`): the reduction group, the
+        params' shardings, the layout and the ZeRO strategy (``plan.strategy``), which
+        ``CheckpointManager``, ``jaxdp.aot`` and ``jaxdp-train`` ask about the state."""
+        if self._plan is None:
+            raise RuntimeError(
+                "DataParallel.plan: the plan is built from the params; call init(params) "
+                "first (jax.eval_shape(dp.init, params) is enough)."
+            )
+        return self._plan
+
+    @property
     def layout(self) -> BucketLayout:
         """The :class:`BucketLayout` of the params (available after :meth:`init`)."""
-        if self._layout is None:
+        if self._plan is None:
             raise RuntimeError(
                 "DataParallel.layout: the layout is built from the params; call init(params) "
                 "first (jax.eval_shape(dp.init, params) is enough)."
             )
-        return self._layout
+        return self._plan.layout
 
     @property
     def state_shardings(self) -> TrainState:
@@ -170,95 +139,11 @@ class DataParallel:
     def _sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
-    @property
-    def _sharded(self) -> bool:
-        return self.config.zero_stage >= 1
-
     # ------------------------------------------------------------------ init
-    def _master_dtype(self, layout: BucketLayout) -> Any:
-        return jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
-
-    @property
-    def _multi(self) -> bool:  # params split over a non-data axis, or an expert axis
-        return self._plan is not None and not self._plan.trivial
-
-    def _build_layout(
-        self, params: Any, param_specs: Any = None, example_batch: Any = None
-    ) -> BucketLayout:
-        plan = read_plan(params, self.mesh, self.config, param_specs, self._plan)
-        if plan.trivial:
-            prev = dict(self._layout.stacked) if self._layout is not None else None
-            stacks = find_stacks(self.loss_fn, params, example_batch, self.config, self.dp, prev)
-            layout = BucketLayout.from_params(params, self.config, self.dp, stacked=stacks)
-        else:
-            layout = layout_for(plan, params, self.config, self.dp)
-        if self._layout is not None and self._layout != layout:
-            raise ValueError(
-                "DataParallel.init: these params have a different structure, shapes or dtypes "
-                "than the ones this engine was initialised with. Fix: build a new DataParallel "
-                "for a different model."
-            )
-        if not plan.trivial and self.config.shards_params:
-            raise NotImplementedError(
-                "DataParallel.init: params split over the mesh axes "
-                f"{list(plan.auto_axes)} (tensor parallelism) "
-                f"with zero_stage={self.config.zero_stage}, overlap_param_gather="
-                f"{self.config.overlap_param_gather} keep their working params sharded over the "
-                "data axis too, which is not supported on a multi-axis mesh yet; expected "
-                "zero_stage <= 2 without overlap_param_gather. Fix: use zero_stage=1 or 2."
-            )
-        check_optimizer(self.optimizer, layout, self._master_dtype(layout))
-        self._plan = plan
-        return layout
-
-    def _init_fn(self, params: Any) -> TrainState:
-        layout = self.layout
-        mdt = self._master_dtype(layout)
-        work_dt = [jnp.dtype(self.config.param_dtype or s.dtype) for s in layout.slots]
-        leaves = jax.tree_util.tree_leaves(params)
-        work = jax.tree_util.tree_unflatten(
-            layout.treedef, [jnp.asarray(x).astype(d) for x, d in zip(leaves, work_dt, strict=True)]
-        )
-        if self.config.shards_params:
-            work = layout.to_global_view(work)  # already in the working dtypes
-        if self._sharded:
-            master = (
-                self._plan.to_global_view(layout, params, mdt)
-                if self._multi
-                else layout.to_global_view(params, mdt)
-            )
-        elif all(d == mdt for d in work_dt):
-            master = None
-        else:
-            master = jax.tree.map(lambda x: jnp.asarray(x).astype(mdt), params)
-        target = work if master is None else master
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=work,
-            master=master,
-            opt_state=self.optimizer.init(target),
-        )
-
-    def _state_shardings(self, abstract: TrainState) -> TrainState:
-        if self._multi:
-            return state_shardings(self._plan, self.layout, abstract, self._sharded, TrainState)
-        rep = self._sharding(P())
-        if not self._sharded:
-            return jax.tree.map(lambda _: rep, abstract)
-        shard = self._sharding(P(self.config.data_axis))
-        return TrainState(
-            step=rep,  # type: ignore[arg-type]
-            params=jax.tree.map(
-                lambda _: shard if self.config.shards_params else rep, abstract.params
-            ),
-            master=jax.tree.map(lambda _: shard, abstract.master),
-            opt_state=jax.tree.map(lambda x: shard if x.ndim >= 1 else rep, abstract.opt_state),
-        )
-
     def init(
         self, params: Any, example_batch: Any = None, *, param_specs: Any = None
     ) -> TrainState:
-        """Build the layout and the sharded :class:`TrainState` from a full params pytree.
+        """Build the plan and the sharded :class:`TrainState` from a full params pytree.
 
         Works under ``jax.eval_shape`` (then nothing is allocated). ``example_batch`` (a global
         batch like ``step``'s, arrays or ``jax.ShapeDtypeStruct``; only shapes are used) lets
@@ -269,12 +154,21 @@ class DataParallel:
         pytree like ``params``; needed under ``jax.eval_shape`` the first time, as tracers
         carry none).
         """
-        self._layout = self._build_layout(params, param_specs, example_batch)
+        self._plan = build_plan(
+            self.loss_fn,
+            self.optimizer,
+            self.config,
+            self.group,
+            params,
+            param_specs=param_specs,
+            example_batch=example_batch,
+            previous=self._plan,
+        )
         self._detected = example_batch is not None
-        abstract = jax.eval_shape(self._init_fn, params)
-        shardings = self._state_shardings(abstract)
-        self._shardings = shardings
-        return jax.jit(self._init_fn, out_shardings=shardings)(params)
+        strategy = self._plan.strategy
+        abstract = jax.eval_shape(strategy.init_state, params)
+        self._shardings = strategy.state_shardings(abstract)
+        return jax.jit(strategy.init_state, out_shardings=self._shardings)(params)
 
     # ------------------------------------------------------------------ batches
     def shard_batch(self, batch: Any) -> Any:
@@ -284,7 +178,7 @@ class DataParallel:
         slice and the global batch is their concatenation in process order.
         """
         self._check_batch(batch, local=True)
-        sharding = self._sharding(batch_spec(self.config))
+        sharding = self._sharding(self.group.batch_spec())
         if jax.process_count() == 1:
             return jax.device_put(batch, sharding)
 
@@ -370,44 +264,19 @@ class DataParallel:
         return self._step
 
     def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        cfg, axis = self.config, self.config.data_axis
-        if self._multi:  # params split over other mesh axes, or experts (_multiaxis.py)
-            grads, metrics = local_step(
-                self.loss_fn, self._plan, self.layout, cfg, state.params, batch
-            )
-            return self._finish(state, grads, metrics)
-        local = jax.shard_map(
-            functools.partial(
-                local_gradients, loss_fn=self.loss_fn, layout=self.layout, config=cfg
-            ),
-            mesh=self.mesh,
-            in_specs=(P(axis) if cfg.shards_params else P(), P(axis)),
-            out_specs=(P(axis) if self._sharded else P(), P()),
-        )
-        grads, metrics = local(state.params, batch)
-        return self._finish(state, grads, metrics)
-
-    def _finish(self, state: TrainState, grads: Any, metrics: dict[str, Any]) -> Any:
-        cfg = self.config
-        target = state.params if state.master is None else state.master
+        strategy = self.plan.strategy
+        grads, metrics = strategy.local_step(self.loss_fn, state.params, batch)
         new_target, opt_state = optimizer_update(
-            self.optimizer, grads, metrics["grad_norm"], state.opt_state, target, cfg
+            self.optimizer,
+            grads,
+            metrics["grad_norm"],
+            state.opt_state,
+            strategy.target(state),
+            self.config,
         )
-        if self._sharded and self._multi:
-            params, master = gather(new_target, self._plan, self.layout, cfg), new_target
-        elif cfg.shards_params:  # the next step gathers them: just cast the new master shards
-            params = jax.tree.map(lambda m, p: m.astype(p.dtype), new_target, state.params)
-            master = new_target
-        elif self._sharded:
-            params = gather_params(new_target, self.layout, cfg, self.mesh, metrics["grad_norm"])
-            master = new_target
-        elif state.master is None:
-            params, master = new_target, None
-        else:
-            master = new_target
-            params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, state.params)
+        params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
         new = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state)
-        if cfg.check_for_nan_in_grad:
+        if self.config.check_for_nan_in_grad:
             # Skip the update when any rank saw a non-finite gradient: the caller gets the last
             # good state back even though the input was donated.
             good = ~jnp.any(metrics["nonfinite_ranks"] > 0)
@@ -424,15 +293,5 @@ class DataParallel:
         if state.master is None:
             return state.params
         if self._export is None:  # jit once: eval loops call this every few steps
-            self._export = jax.jit(self._export_fn, out_shardings=self._sharding(P()))
+            self._export = jax.jit(self.plan.strategy.export, out_shardings=self._sharding(P()))
         return self._export(state.master)
-
-    def _export_fn(self, master: Any) -> Any:
-        layout = self.layout
-        if self._sharded and self._multi:
-            full = self._plan.from_global_view(layout, master)
-        else:
-            full = layout.from_global_view(master) if self._sharded else master
-        leaves = jax.tree_util.tree_leaves(full)
-        cast = [x.astype(s.dtype) for x, s in zip(leaves, layout.slots, strict=True)]
-        return jax.tree_util.tree_unflatten(layout.treedef, cast)

@@ -16,9 +16,10 @@ working params (``TrainState.params`` when ``config.shards_params``):
   cotangent of ``acc`` is this rank's reduced fp32 shard, the cotangent of ``flags`` counts
   non-finite local gradients (``check_for_nan_in_grad``), the cotangent of the shard is zero.
   :func:`zero3_value_and_grad` wraps the user's loss in ``jax.checkpoint`` with the policy of
-  ``DDPConfig.remat_policy`` (:func:`remat_policy_for`), none of which saves the gathered values
-  (named :data:`GATHERED`) or what layout primitives derive from them, so the backward pass
-  gathers every bucket again instead of keeping the full params alive as residuals.
+  ``DDPConfig.remat_policy`` (:func:`jaxdp._remat.remat_policy_for`), none of which saves the
+  gathered values (named :data:`jaxdp._remat.GATHERED`) or what layout primitives derive from
+  them, so the backward pass gathers every bucket again instead of keeping the full params
+  alive as residuals.
 
 Hook for scanned layer stacks: :func:`sharded_gather` takes any 1-D shard whose full value is its
 tiled ``all_gather`` (a bucket shard, or rank ``r``'s piece of one layer of a stacked parameter)
@@ -36,49 +37,86 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from ._config import DDPConfig
 from ._layout import Bucket, BucketLayout
+from ._order import after
 from ._reduce import _reduce_one
+from ._remat import GATHERED, remat_policy_for
 
 __all__ = [
-    "GATHERED",
-    "SCAN_CARRY",
+    "SCHEDULING_GROUP_BASE",
+    "gather_buckets",
     "gather_full",
     "gathers_per_parameter",
     "make_bucket_gather",
     "make_leaf_gather",
-    "not_gathered_policy",
-    "remat_policy_for",
     "sharded_gather",
     "zero3_value_and_grad",
 ]
 
-#: ``checkpoint_name`` of the gathered params at stage 3 (never saved as a residual).
-GATHERED = "jaxdp_gathered_params"
+#: First XLA ``_scheduling_group_id`` of the end-of-step parameter gathers (one per bucket).
+SCHEDULING_GROUP_BASE = 1_000_000
 
-#: ``checkpoint_name`` of each iteration's carry output in a scan whose layer stack is gathered
-#: per layer (the next layer's input; MaxText names it ``decoder_layer_input``). Saved by
-#: every policy but ``"nothing"``: jax applies the outer ``jax.checkpoint``'s policy inside the
-#: scan bodies, and without it the backward pass runs the forward loop, gathers included,
-#: once more to recompute the layer inputs.
-SCAN_CARRY = "jaxdp_scan_carry"
+
+def gather_buckets(shards: Any, layout: BucketLayout, axis: str, last: Any = None) -> Any:
+    """Bucket shards (this rank's, in the working dtypes) -> the full params, one
+    ``all_gather`` per bucket, typed as identical on every rank (``to="invarying"``).
+
+    The one shard -> full gather of the engine: at the start of a step
+    (:func:`gather_full`, ``overlap_param_gather``) and at its end (stages 1-2,
+    :func:`jaxdp._update.gather_params`). With ``last`` (a value that needs every reduced
+    gradient, e.g. the gradient norm) the first gather waits for it and each bucket's gather
+    is its own XLA scheduling group, overlapped with splitting the previous bucket into its
+    leaves: without the groups XLA's scheduler (with memory to spare) starts every gather
+    first and splits them all at the end, keeping every gathered bucket alive at once, a full
+    second copy of the params (GPU only; other backends ignore the group). Bucket ``k+1``'s
+    gather also depends on bucket ``k``'s, so that no combiner merges the two (a collective
+    merged across groups is a compile error).
+    """
+    # A dependency between buffers of params split over different tensor-parallel axes would
+    # make one vary over the other's axes: those are gathered unordered, as at the start.
+    if last is None or len({buf.shard_axes for buf in layout.buffers}) > 1:
+        full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
+        return layout.unpack(full)
+    n = len(layout.buckets)
+    gathered = [jax.lax.all_gather(after(shards[0], last), axis, tiled=True, to="invarying")]
+    leaves: list[Any] = [None] * len(layout.slots)
+    for k, b in enumerate(layout.buckets):
+        with set_xla_metadata(_scheduling_group_id=str(SCHEDULING_GROUP_BASE + k)):
+            if k + 1 < n:
+                nxt = after(shards[k + 1], gathered[k])
+                gathered.append(jax.lax.all_gather(nxt, axis, tiled=True, to="invarying"))
+            for i, leaf in zip(b.slots, layout.unpack_bucket(b, gathered[k]), strict=True):
+                leaves[i] = leaf
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
 
 
 def gather_full(view: Any, layout: BucketLayout, axis: str) -> Any:
-    """Local shard view -> the full working params, one ``all_gather`` per bucket.
-
-    The result is typed as identical on every rank (``to="invarying"``), like replicated params.
-    """
-    shards = layout.shard_unview(view)  # each bucket in its working dtype
-    full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
-    return layout.unpack(full)
+    """Local shard view -> the full working params, one ``all_gather`` per bucket
+    (:func:`gather_buckets` without ordering)."""
+    return gather_buckets(layout.shard_unview(view), layout, axis)
 
 
 def gathers_per_parameter(layout: BucketLayout) -> bool:
     """Whether ZeRO-3 gathers ``layout``'s buckets per parameter (:func:`make_leaf_gather`):
     interleaved layouts without layer stacks. Others gather whole buckets."""
     return layout.kind == "interleaved" and not layout.stacked
+
+
+def _vma(x: jax.Array) -> frozenset[str]:
+    """The manual axes ``x`` varies over inside ``shard_map`` (jax 0.10: ``manual_axis_type``;
+    older and newer: ``vma``)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the manual axes ``ref`` varies over (``shard_map``)."""
+    missing = tuple(sorted(_vma(ref) - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _nonfinite_flags(parts: Any) -> jax.Array:
@@ -98,100 +136,6 @@ def _nonfinite(ct: jax.Array, b: Bucket, layout: BucketLayout) -> jax.Array:
             ct[layout.slots[i].start - b.start : layout.slots[i].end - b.start] for i in b.slots
         ]
     return _nonfinite_flags(parts)
-
-
-# Primitives that only move, cast or replicate data. Their outputs are never saved for the
-# backward pass: with a "save anything" policy the unpacked params (slices and reshapes of a
-# gathered bucket), their casts and transposes would otherwise be kept alive as residuals
-# although the gathered bucket itself is not; refusing them makes JAX save their (cheap to
-# re-derive) inputs instead, and for the params that input is the shard, so the backward pass
-# gathers again. Activations are unaffected: the producer of a reshaped activation is saved.
-_LAYOUT_PRIMITIVES = frozenset(
-    {
-        "all_gather",
-        "broadcast_in_dim",
-        "concatenate",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "dynamic_slice",
-        "pad",
-        "reduce_precision",
-        "reshape",
-        "slice",
-        "squeeze",
-        "expand_dims",
-        "transpose",
-    }
-)
-
-
-def not_gathered_policy(prim: Any, *_: Any, **params: Any) -> bool:
-    """``remat_policy="everything"``: save every intermediate except the gathered params
-    (named :data:`GATHERED`) and anything a layout primitive derives from them."""
-    if prim.name == "name":
-        return bool(params.get("name") != GATHERED)
-    return prim.name not in _LAYOUT_PRIMITIVES
-
-
-def gemm_policy(prim: Any, *args: Any, **params: Any) -> bool:
-    """``remat_policy="gemm"``: save only the outputs of ``dot_general`` without batch
-    dimensions (jax's ``dots_with_no_batch_dims_saveable``) and the layer inputs of gathered
-    scans (:data:`SCAN_CARRY`). Gathered params and their layout derivatives are never dots,
-    so they are recomputed (gathered again)."""
-    if prim.name == "name":
-        return bool(params.get("name") == SCAN_CARRY)
-    return bool(jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
-
-
-# cuDNN fused attention (jax.nn.dot_product_attention(implementation="cudnn")) as a policy sees
-# it: its custom_vjp's forward rule binds these (outputs: the attention output and the softmax
-# statistics the backward kernel reads). The XLA implementation is plain dot_generals.
-_FUSED_ATTENTION = frozenset(
-    {
-        "dot_product_attention_fwd_wrapper",
-        "dot_product_attention_fp8_fwd_wrapper",
-        "dot_product_attention_fwd",
-        "dot_product_attention_fp8_fwd",
-    }
-)
-
-
-def dots_policy(prim: Any, *args: Any, **params: Any) -> bool:
-    """``remat_policy="dots"``: save every ``dot_general`` (batched too), convolution and
-    cuDNN fused-attention output (jax's ``dots_saveable`` plus fused attention), and the layer
-    inputs of gathered scans (:data:`SCAN_CARRY`)."""
-    if prim.name == "name":
-        return bool(params.get("name") == SCAN_CARRY)
-    if prim.name in _FUSED_ATTENTION:
-        return True
-    return bool(jax.checkpoint_policies.dots_saveable(prim, *args, **params))
-
-
-_POLICIES: dict[str, Callable[..., bool]] = {
-    "gemm": gemm_policy,
-    "dots": dots_policy,
-    "everything": not_gathered_policy,
-    "nothing": jax.checkpoint_policies.nothing_saveable,
-}
-
-
-def remat_policy_for(config: DDPConfig) -> Callable[..., bool]:
-    """The ``jax.checkpoint`` policy of stage 3 for ``config.remat_policy``.
-
-    The one place that maps the field to a policy: :func:`zero3_value_and_grad` and
-    :func:`jaxdp._zero3_scan.zero3_scan_value_and_grad` (outer loss and scan bodies) use it.
-    Every policy refuses the gathered params (named :data:`GATHERED`) and what layout
-    primitives derive from them, so the backward pass gathers them again.
-
-    Example:
-        >>> from jaxdp import DDPConfig
-        >>> remat_policy_for(DDPConfig(zero_stage=3)) is gemm_policy
-        True
-    """
-    return _POLICIES[config.remat_policy]
 
 
 def sharded_gather(
@@ -237,7 +181,7 @@ def sharded_gather(
         red, bad = reduce(ct)
         # the shard's shape and dtype follow from the full value's (a tiled gather)
         n = ct.shape[0] // jax.lax.axis_size(axis)
-        zero = jax.lax.pcast(jnp.zeros((n,), ct.dtype), axis, to="varying")
+        zero = _varying_like(jnp.zeros((n,), ct.dtype), ct)
         return zero, red, bad
 
     gather.defvjp(fwd, bwd)
@@ -357,11 +301,14 @@ def make_leaf_gather(
         if config.check_for_nan_in_grad:
             bad = _nonfinite_flags(cts)
         else:
-            bad = jax.lax.pcast(jnp.zeros((len(slots),), jnp.float32), axis, to="varying")
+            bad = _varying_like(jnp.zeros((len(slots),), jnp.float32), cts[0])
+        # Zero cotangents vary over the axes the pieces do: the data axis, and the model axes
+        # of a rank's block on a tensor-parallel mesh (the gathered leaves' cotangents tell).
         zeros = tuple(
-            jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axis, to="varying") for s in shapes
+            _varying_like(jnp.zeros(s.shape, s.dtype), ct)
+            for s, ct in zip(shapes, cts, strict=True)
         )
-        return zeros, red.astype(acc_dt), bad
+        return zeros, _varying_like(red.astype(acc_dt), cts[0]), bad
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -373,12 +320,18 @@ def zero3_value_and_grad(
     config: DDPConfig,
     *,
     num_microbatches: int,
-) -> tuple[Callable[..., Any], list[int]]:
+    place: Callable[..., Any] | None = None,
+) -> tuple[Callable[..., Any], list[int], Callable[..., Any]]:
     """Value-and-grad of ``parts(params, mb)`` for params held as local bucket shards.
 
-    Returns ``(vg, divisors)``: ``vg(accs, flags, view, mb) -> ((loss, aux), (d_accs,
-    d_flags))`` where ``view`` is this rank's shard view of the working params
-    (:meth:`BucketLayout.shard_view`, working dtype), ``accs`` and
+    ``place(gather_all, view, accs, flags)`` runs the per-rank gather ``gather_all`` where the
+    rank's blocks live (default: calls it; on a tensor-parallel mesh a ``shard_map`` nested
+    over the model axes, :meth:`jaxdp._nested.NestedOps.place`).
+
+    Returns ``(vg, divisors, loss)``: ``vg(accs, flags, view, mb) -> ((loss, aux), (d_accs,
+    d_flags))`` (``loss`` is the same function undifferentiated) where ``view`` is this rank's
+    shard view of the working params (:meth:`BucketLayout.shard_view`, working dtype), ``accs``
+    and
     ``flags`` zeros per bucket (``main_grads_dtype[shard_numel]``, ``float32[len(slots)]``);
     ``d_accs`` are the reduced gradient shards and ``d_flags`` the non-finite flags. With
     ``num_microbatches > 1`` the reductions are deferred (unscaled sums, as at stage 2):
@@ -402,7 +355,7 @@ def zero3_value_and_grad(
         for b in layout.buckets
     ]
 
-    def loss(accs: Any, flags: Any, view: Any, mb: Any) -> Any:
+    def gather_all(view: Any, accs: Any, flags: Any) -> Any:
         if per_leaf:  # the shard view's leaves are this rank's pieces of each parameter
             pieces = jax.tree_util.tree_leaves(view)
             leaves: list[Any] = [None] * len(layout.slots)
@@ -411,7 +364,7 @@ def zero3_value_and_grad(
                 mine = tuple(pieces[i].astype(b.dtype) for i in b.slots)
                 for i, leaf in zip(b.slots, gathers[k](mine, accs[k], flags[k]), strict=True):
                     leaves[i] = checkpoint_name(leaf, GATHERED)
-            return parts(jax.tree_util.tree_unflatten(layout.treedef, leaves), mb)
+            return jax.tree_util.tree_unflatten(layout.treedef, leaves)
         # The bucket shards are assembled from the shard view in here, not by the caller: a
         # concatenation is not saved for the backward pass (by any remat policy), so the
         # backward pass assembles them again instead of keeping a copy alive between the two.
@@ -421,9 +374,14 @@ def zero3_value_and_grad(
         full = [None] * len(gathers)
         for i in reversed(range(len(gathers))):
             full[i] = checkpoint_name(gathers[i](shards[i], accs[i], flags[i]), GATHERED)
-        return parts(layout.unpack(tuple(full)), mb)
+        return layout.unpack(tuple(full))
+
+    run = place if place is not None else (lambda f, *args: f(*args))
+
+    def loss(accs: Any, flags: Any, view: Any, mb: Any) -> Any:
+        return parts(run(gather_all, view, accs, flags), mb)
 
     vg = jax.value_and_grad(
         jax.checkpoint(loss, policy=remat_policy_for(config)), argnums=(0, 1), has_aux=True
     )
-    return vg, divisors
+    return vg, divisors, loss

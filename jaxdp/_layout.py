@@ -34,12 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import DDPConfig
-from ._padding import pad_bucket_end, pad_param_start
-from ._stacked import rows_to_stack, stack_to_rows
+from ._layout_views import LayoutViews
+from ._placement import Bucket, Buffer, ParamSlot, leaf_info, place, place_shape
 
 __all__ = ["BucketLayout", "Bucket", "Buffer", "ParamSlot", "path_str"]
-
-_FLOATING = ("float16", "bfloat16", "float32", "float64")
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -54,118 +52,7 @@ def path_str(path: tuple[Any, ...]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter lives.
-
-    Attributes:
-        path: the parameter's pytree path, ``"a/b/c"``.
-        leaf_index: position of the leaf in ``jax.tree.leaves`` order.
-        shape: the parameter's shape.
-        dtype: the dtype of the leaf that the layout was built from.
-        buffer: index of its buffer in ``BucketLayout.buffers``.
-        bucket: index of its bucket in ``BucketLayout.buckets``.
-        start: start offset in buffer coordinates (see the module docstring).
-        end: end offset in buffer coordinates.
-    """
-
-    path: str
-    leaf_index: int
-    shape: tuple[int, ...]
-    dtype: str
-    buffer: int
-    bucket: int
-    start: int
-    end: int
-
-    @property
-    def size(self) -> int:
-        """Number of elements of the parameter."""
-        return math.prod(self.shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """One bucket: the unit of a gradient collective.
-
-    Attributes:
-        index: position in ``BucketLayout.buckets`` (0 = output end of the model).
-        buffer: index of the buffer that holds it.
-        dtype: the working dtype of its parameters.
-        grad_dtype: the dtype its gradients are reduced in.
-        start: start offset in buffer coordinates.
-        end: end offset (padded) in buffer coordinates.
-        numel: padded number of elements (what the collective moves).
-        numel_unpadded: elements before the bucket-end padding (Megatron's definition: includes
-            the alignment gaps between parameters).
-        numel_params: elements that belong to parameters (no padding of any kind).
-        param_paths: paths of its parameters, in layout order.
-        slots: indices into ``BucketLayout.slots`` in layout order.
-        shard_numel: elements each rank owns after a reduce-scatter (``numel // dp``).
-    """
-
-    index: int
-    buffer: int
-    dtype: str
-    grad_dtype: str
-    start: int
-    end: int
-    numel: int
-    numel_unpadded: int
-    numel_params: int
-    param_paths: tuple[str, ...]
-    slots: tuple[int, ...]
-    shard_numel: int
-
-    @property
-    def padding_fraction(self) -> float:
-        """Fraction of ``numel`` that is padding."""
-        return 1.0 - self.numel_params / self.numel if self.numel else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Buffer:
-    """All parameters of one ``(dtype, grad_dtype)`` pair.
-
-    Attributes:
-        index: position in ``BucketLayout.buffers``.
-        dtype: working dtype of its parameters.
-        grad_dtype: dtype of its gradient buffer.
-        numel: padded elements.
-        numel_unpadded: sum of its buckets' ``numel_unpadded``.
-        buckets: indices into ``BucketLayout.buckets``.
-        shard_axes: mesh axes (other than the data axis) its parameters are split over; its
-            element counts are per block, i.e. per model-parallel rank (``()`` = replicated).
-    """
-
-    index: int
-    dtype: str
-    grad_dtype: str
-    numel: int
-    numel_unpadded: int
-    buckets: tuple[int, ...]
-    shard_axes: tuple[str, ...] = ()
-
-
-def _leaf_info(path: str, leaf: Any) -> tuple[tuple[int, ...], str]:
-    shape = getattr(leaf, "shape", None)
-    dtype = getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
-        raise TypeError(
-            f"BucketLayout.from_params: params leaf {path!r} is a {type(leaf).__name__}; expected "
-            "an array or jax.ShapeDtypeStruct with .shape and .dtype. Fix: pass the model's "
-            "parameter pytree (e.g. flax variables['params']), or wrap scalars with jnp.asarray."
-        )
-    name = np.dtype(dtype).name
-    if name not in _FLOATING:
-        raise TypeError(
-            f"BucketLayout.from_params: params leaf {path!r} has dtype {name}; expected a floating "
-            f"dtype {_FLOATING}. Fix: keep non-trainable integer state out of the params tree."
-        )
-    return tuple(int(d) for d in shape), name
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketLayout:
+class BucketLayout(LayoutViews):
     """Static layout of a parameter pytree into buffers and buckets (Megatron's rules).
 
     Build it with :meth:`from_params`. Parameters are grouped into buffers by
@@ -272,7 +159,7 @@ class BucketLayout:
         infos = []  # (leaf_index, path, shape, leaf dtype, working dtype, grad dtype, own)
         for i, (kp, leaf) in enumerate(leaves):
             path = path_str(kp)
-            shape, dtype = _leaf_info(path, leaf)
+            shape, dtype = leaf_info(path, leaf)
             work = config.param_dtype or dtype
             grad = "float32" if config.grad_reduce_in_fp32 else work
             own_bucket = config.owns_bucket(path)
@@ -296,8 +183,8 @@ class BucketLayout:
         for (work, grad, axes), members in groups.items():
             bidx = len(buffers)
             first_bucket = len(buckets)
-            placed, spans = _place(
-                [(_place_shape(m[2], stacked.get(m[0]), dp_size), m[6]) for m in reversed(members)],
+            placed, spans = place(
+                [(place_shape(m[2], stacked.get(m[0]), dp_size), m[6]) for m in reversed(members)],
                 kind,
                 dp_size,
                 bucket_size,
@@ -367,191 +254,6 @@ class BucketLayout:
             f"{[s.path for s in self.slots]}"
         )
 
-    # ------------------------------------------------------------------ pack / unpack
-    def _check_tree(self, tree: Any, what: str) -> list[Any]:
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if treedef != self.treedef:
-            raise ValueError(
-                f"BucketLayout.{what}: the tree structure {treedef} differs from the layout's "
-                f"{self.treedef}. Fix: pass a pytree with the same structure as the params the "
-                "layout was built from."
-            )
-        for s, leaf in zip(self.slots, leaves):
-            if tuple(jnp.shape(leaf)) != s.shape:
-                raise ValueError(
-                    f"BucketLayout.{what}: leaf {s.path!r} has shape {tuple(jnp.shape(leaf))}; "
-                    f"expected {s.shape}."
-                )
-        return leaves
-
-    def pack(self, tree: Any, dtype: Any = None) -> tuple[jax.Array, ...]:
-        """Flatten a params-shaped pytree into one 1-D array per bucket (padding is zero).
-
-        Args:
-            tree: pytree with the params' structure and shapes (e.g. gradients).
-            dtype: dtype of the buckets; ``None`` = each bucket's working ``dtype``.
-        """
-        leaves = self._check_tree(tree, "pack")
-        out = []
-        for b in self.buckets:
-            dt = jnp.dtype(dtype if dtype is not None else b.dtype)
-            if self.kind == "interleaved":
-                out.append(self._pack_interleaved(b, leaves, dt))
-            else:
-                out.append(self._pack_contiguous(b, leaves, dt))
-        return tuple(out)
-
-    def _fill(self, b: Bucket, pieces: dict[int, jax.Array], dt: Any, rows: int = 0) -> jax.Array:
-        """Concatenate ``b``'s per-slot pieces along the last axis with zero gaps and end padding.
-
-        ``pieces[i]`` spans columns ``[start, end)`` of slot ``i``; with ``rows`` the pieces are
-        ``[rows, end - start]`` matrices (interleaved buckets) and the result is flattened.
-        """
-        lead = (rows,) if rows else ()
-        out, cursor = [], b.start
-        for i in b.slots:
-            s = self.slots[i]
-            if s.start > cursor:
-                out.append(jnp.zeros((*lead, s.start - cursor), dt))
-            out.append(pieces[i].astype(dt))
-            cursor = s.end
-        if b.end > cursor:
-            out.append(jnp.zeros((*lead, b.end - cursor), dt))
-        full = out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
-        return full.reshape(-1)
-
-    def _pack_contiguous(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
-        return self._fill(b, {i: jnp.ravel(leaves[i]) for i in b.slots}, dt)
-
-    def _pack_interleaved(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
-        dp, pieces, stacked = self.dp_size, {}, dict(self.stacked)
-        for i in b.slots:
-            s = self.slots[i]
-            k = s.end - s.start
-            if i in stacked:
-                pieces[i] = stack_to_rows(leaves[i], stacked[i], dp)
-                continue
-            flat = jnp.ravel(leaves[i])
-            if dp * k > s.size:
-                flat = jnp.pad(flat, (0, dp * k - s.size))
-            pieces[i] = flat.reshape(dp, k)
-        return self._fill(b, pieces, dt, rows=dp)
-
-    def unpack(self, flat: Any) -> Any:
-        """Inverse of :meth:`pack`: one 1-D array per bucket back to the params pytree.
-
-        Leaves keep the buckets' dtype.
-        """
-        if not isinstance(flat, (tuple, list)) or len(flat) != len(self.buckets):
-            got = len(flat) if isinstance(flat, (tuple, list)) else type(flat).__name__
-            raise ValueError(
-                f"BucketLayout.unpack: got {got} bucket arrays; expected a sequence of "
-                f"{len(self.buckets)} (one per bucket, as returned by pack)."
-            )
-        leaves: list[Any] = [None] * len(self.slots)
-        for b, arr in zip(self.buckets, flat):
-            for i, leaf in zip(b.slots, self.unpack_bucket(b, arr), strict=True):
-                leaves[i] = leaf
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-    def unpack_bucket(self, b: Bucket, arr: Any) -> list[Any]:
-        """One bucket's 1-D array -> the leaves of its parameters (in ``b.slots`` order)."""
-        if tuple(jnp.shape(arr)) != (b.numel,):
-            raise ValueError(
-                f"BucketLayout.unpack: bucket {b.index} has shape {tuple(jnp.shape(arr))}; "
-                f"expected ({b.numel},)."
-            )
-        if self.kind == "interleaved":
-            mat = jnp.reshape(arr, (self.dp_size, b.numel // self.dp_size))
-            return [
-                self._leaf_from_global(
-                    i, mat[:, self.slots[i].start - b.start : self.slots[i].end - b.start].ravel()
-                )
-                for i in b.slots
-            ]
-        return [
-            arr[self.slots[i].start - b.start : self.slots[i].end - b.start].reshape(
-                self.slots[i].shape
-            )
-            for i in b.slots
-        ]
-
-    # ------------------------------------------------------------------ shards
-    # A "shard view" is what a distributed optimizer sees. Locally (inside shard_map) it is
-    # rank r's shard of every bucket; globally it is the concatenation over ranks, sharded
-    # along axis 0 of every leaf. "interleaved": a pytree like the params whose leaves are 1-D
-    # (globally: the flattened parameter zero-padded to a multiple of dp; locally: piece r).
-    # "megatron": a tuple with one 1-D array per bucket (globally: the packed bucket).
-    def _require_sharded(self, what: str) -> None:
-        if self.kind == "contiguous":
-            raise ValueError(
-                f"BucketLayout.{what}: a contiguous (zero_stage=0) layout has no shards. "
-                "Fix: build the layout with DDPConfig(zero_stage >= 1)."
-            )
-
-    def shard_view(self, shards: Any) -> Any:
-        """Rank-local bucket shards (``numel // dp`` each) -> the optimizer's local view."""
-        self._require_sharded("shard_view")
-        shards = tuple(shards)
-        if self.kind == "megatron":
-            return shards
-        leaves: list[Any] = [None] * len(self.slots)
-        for b, x in zip(self.buckets, shards, strict=True):
-            for i in b.slots:
-                s = self.slots[i]
-                leaves[i] = x[s.start - b.start : s.end - b.start]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-    def shard_unview(self, view: Any, dtype: Any = None) -> tuple[jax.Array, ...]:
-        """Inverse of :meth:`shard_view`: local view -> one shard per bucket (padding is zero)."""
-        self._require_sharded("shard_unview")
-        if self.kind == "megatron":
-            return tuple(
-                v.astype(dtype if dtype is not None else b.dtype)
-                for v, b in zip(view, self.buckets, strict=True)
-            )
-        leaves = jax.tree_util.tree_leaves(view)
-        return tuple(
-            self._fill(b, {i: leaves[i] for i in b.slots}, dtype if dtype is not None else b.dtype)
-            for b in self.buckets
-        )
-
-    def to_global_view(self, tree: Any, dtype: Any = None) -> Any:
-        """Full params-shaped pytree -> the global shard view (shard it along axis 0)."""
-        self._require_sharded("to_global_view")
-        if self.kind == "megatron":
-            return self.pack(tree, dtype)
-        leaves = self._check_tree(tree, "to_global_view")
-        out = [self._leaf_to_global(i, leaf, dtype) for i, leaf in enumerate(leaves)]
-        return jax.tree_util.tree_unflatten(self.treedef, out)
-
-    def _leaf_to_global(self, i: int, leaf: Any, dtype: Any = None) -> Any:
-        """Leaf ``i`` (params-shaped) -> its 1-D global shard view (interleaved layouts)."""
-        s, stacked = self.slots[i], dict(self.stacked)
-        if dtype is not None:
-            leaf = jnp.asarray(leaf).astype(dtype)
-        if i in stacked:
-            return stack_to_rows(leaf, stacked[i], self.dp_size).reshape(-1)
-        flat = jnp.ravel(leaf)
-        padded = (s.end - s.start) * self.dp_size
-        return jnp.pad(flat, (0, padded - s.size)) if padded > s.size else flat
-
-    def _leaf_from_global(self, i: int, flat: Any) -> Any:
-        """Inverse of :meth:`_leaf_to_global`."""
-        s, stacked = self.slots[i], dict(self.stacked)
-        if i in stacked:
-            return rows_to_stack(flat, s.shape, stacked[i], self.dp_size)
-        return flat[: s.size].reshape(s.shape)
-
-    def from_global_view(self, view: Any) -> Any:
-        """Inverse of :meth:`to_global_view`: global shard view -> params-shaped pytree."""
-        self._require_sharded("from_global_view")
-        if self.kind == "megatron":
-            return self.unpack(tuple(view))
-        leaves = jax.tree_util.tree_leaves(view)
-        out = [self._leaf_from_global(i, leaf) for i, leaf in enumerate(leaves)]
-        return jax.tree_util.tree_unflatten(self.treedef, out)
-
     # ------------------------------------------------------------------ report
     def summary(self) -> str:
         """A table of buckets: index, buffer, dtypes, params, numel, padding %, MiB."""
@@ -582,75 +284,3 @@ class BucketLayout:
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
-
-
-def _place_shape(shape: tuple[int, ...], axis: int | None, dp: int) -> tuple[int, ...]:
-    """The shape :func:`_place` sizes a leaf by: a stack needs ``L * ceil(n / dp)`` columns."""
-    if axis is None:
-        return shape
-    n = math.prod(shape) // shape[axis] if shape[axis] else 0
-    return (shape[axis] * -(-n // dp) * dp,)
-
-
-def _place(
-    params: list[tuple[tuple[int, ...], bool]],
-    kind: str,
-    dp: int,
-    bucket_size: int | None,
-    busbw: bool,
-) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """Place ``(shape, own_bucket)`` entries (already in layout order) into buckets.
-
-    Returns ``(bucket, start, end)`` per entry and ``(start, end, unpadded_end)`` per bucket, in
-    buffer coordinates. Follows Megatron's ``_compute_per_buffer_param_layout`` (distributed
-    optimizer) and ``_compute_default_per_buffer_param_layout`` (no padding).
-    """
-    # Element counts are multiplied by `scale` to compare against bucket_size: interleaved
-    # coordinates are columns of a [dp, S] matrix.
-    scale = dp if kind == "interleaved" else 1
-
-    def align_start(x: int) -> int:
-        return pad_param_start(x) if kind == "megatron" else x
-
-    def pad_end(x: int) -> int:
-        if kind == "megatron":
-            return pad_bucket_end(x, dp, busbw)
-        if kind == "interleaved":
-            return pad_bucket_end(x * dp, dp, busbw) // dp
-        return x
-
-    placed: list[tuple[int, int, int]] = []
-    spans: list[tuple[int, int, int]] = []
-    bucket_start = 0
-    cursor = 0
-    n_in_bucket = 0
-    end = 0
-
-    def close(unpadded_end: int) -> int:
-        padded = pad_end(unpadded_end)
-        spans.append((bucket_start, padded, unpadded_end))
-        return padded
-
-    for shape, own in params:
-        numel = math.prod(shape)
-        width = -(-numel // dp) if kind == "interleaved" else numel
-        start = align_start(cursor)
-        if own and n_in_bucket:
-            # Megatron closes the open bucket at the shared param's *aligned* start, so the
-            # alignment gap counts as unpadded (a documented quirk we reproduce).
-            bucket_start = close(start)
-            n_in_bucket = 0
-            start = bucket_start
-        end = start + width
-        placed.append((len(spans), start, end))
-        n_in_bucket += 1
-        full = bucket_size is not None and (end - bucket_start) * scale >= bucket_size
-        if full or own:
-            bucket_start = close(end)
-            n_in_bucket = 0
-            cursor = bucket_start
-        else:
-            cursor = end
-    if n_in_bucket:
-        close(end)
-    return placed, spans

@@ -17,6 +17,7 @@ of replicated parameters is ``numel`` elements, replicated over ``A``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +26,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
-from ._expert import Group, reduce_grouped, square_norm_grouped
+from ._gather import gather_full
+from ._group import ReductionGroup
 from ._layout import BucketLayout
-from ._reduce import metric_sum, reduce_buckets, reduce_microbatch_buckets
+from ._reduce import _divided, _float_for_sum, _reduce_one, metric_sum
 from ._sharding import ShardingPlan
 
-__all__ = ["NestedOps", "PlainOps", "gather_params_nested"]
+__all__ = ["NestedOps", "PlainOps", "ops_for"]
 
 
 def _entry(axes: Sequence[str]) -> Any:
@@ -38,39 +40,43 @@ def _entry(axes: Sequence[str]) -> Any:
 
 
 class PlainOps:
-    """Bucket operations on whole (replicated) parameters: the layout's own methods.
-
-    With ``plan`` and ``groups`` (expert parallelism, :mod:`jaxdp._expert`) each bucket is
-    reduced over its own group and each param is made varying over the manual axes it is not
-    already split over."""
+    """Bucket operations on whole parameters (every parameter replicated over the axes the
+    step is not manual over): the layout's own methods, each bucket reduced over its group
+    (:meth:`jaxdp._group.ReductionGroup.bucket_groups`)."""
 
     def __init__(
-        self,
-        layout: BucketLayout,
-        config: DDPConfig,
-        plan: ShardingPlan | None = None,
-        groups: Sequence[Group] | None = None,
+        self, layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
     ):
-        self.layout, self.config, self.plan, self.groups = layout, config, plan, groups
+        self.layout, self.config, self.group, self.plan = layout, config, group, plan
+        self.axis = group.axes
+        self.groups = group.bucket_groups(layout)
 
-    def varying(self, params: Any, axis: Any) -> Any:
-        """Per-device copies of ``params`` to differentiate (autodiff then adds no psum)."""
-        if self.plan is None or len(self.plan.manual_axes) == 1:
-            return jax.tree.map(lambda w: jax.lax.pcast(w, axis, to="varying"), params)
-        manual = self.plan.manual_axes
+    def varying(self, params: Any) -> Any:
+        """Per-device copies of ``params`` to differentiate (autodiff then adds no psum): each
+        leaf made varying over the manual axes it is not already split over."""
         leaves, treedef = jax.tree_util.tree_flatten(params)
         out = []
         for w, ls in zip(leaves, self.plan.leaves, strict=True):
-            axes = tuple(a for a in manual if a not in ls.axes)
+            axes = tuple(a for a in self.group.manual_axes if a not in ls.axes)
             out.append(jax.lax.pcast(w, axes, to="varying") if axes else w)
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def square_norm(self, red: Sequence[jax.Array], sharded: bool) -> jax.Array:
-        """Squared L2 norm of all reduced gradients (the same on every rank)."""
-        if self.groups is not None and self.plan is not None and self.plan.expert_axis:
-            return square_norm_grouped(red, self.groups, self.plan.expert_axis)
-        sq = jnp.sum(jnp.stack([jnp.sum(jnp.square(r)) for r in red]))
-        return metric_sum(sq, self.config) if sharded else sq
+    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
+        """Squared L2 norm of this rank's reduced gradients. Dense buckets are the same on
+        every rank of the group; each expert rank holds other experts, whose squares are
+        summed over the expert axis."""
+        pairs = list(zip(red, self.groups, strict=True))
+        sq = jnp.sum(
+            jnp.stack([jnp.sum(jnp.square(r)) for r, g in pairs if not g.expert] or [jnp.zeros(())])
+        )
+        expert = [jnp.sum(jnp.square(r)) for r, g in pairs if g.expert]
+        if expert:
+            sq = sq + jax.lax.psum(jnp.sum(jnp.stack(expert)), self.group.expert_axis)
+        return sq
+
+    def group_sum(self, x: jax.Array) -> jax.Array:
+        """Sum a per-rank value over the group (ordered with ``deterministic_reduction``)."""
+        return metric_sum(x, self.config, self.axis)
 
     def zeros(self, numels: Sequence[int], dtype: Any) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros((n,), dtype) for n in numels)
@@ -78,18 +84,51 @@ class PlainOps:
     def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
         return self.layout.pack(grads, dtype=dtype)
 
+    def _reduce(
+        self, flat: Sequence[jax.Array], g: int, deferred: bool
+    ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
+        out, divs = [], []
+        for x, b, grp in zip(flat, self.layout.buckets, self.groups, strict=True):
+            if grp.prediv != 1 and not self.config.calculate_per_token_loss:
+                x = _divided(x, grp.prediv, _float_for_sum(x.dtype))
+            red, div = _reduce_one(
+                x, b, self.layout, self.config, g, deferred, axis=grp.axes, dp=grp.size
+            )
+            out.append(red)
+            divs.append(div)
+        return tuple(out), tuple(divs)
+
     def reduce_microbatch(
         self, flat: Sequence[jax.Array], g: int
     ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
-        return reduce_microbatch_buckets(flat, self.layout, self.config, num_microbatches=g)
+        """One micro-batch's reduce-scatter for a sharded accumulator, and the divisors
+        :func:`jaxdp._reduce.finish_deferred` applies at the end."""
+        return self._reduce(flat, g, True)
 
     def reduce(self, acc: Sequence[jax.Array], g: int) -> tuple[jax.Array, ...]:
-        if self.groups is not None:
-            return reduce_grouped(acc, self.layout, self.config, self.groups, g)
-        return reduce_buckets(acc, self.layout, self.config, num_microbatches=g)
+        """The accumulated buckets' collectives (all-reduce or reduce-scatter)."""
+        return self._reduce(acc, g, False)[0]
 
-    def out(self, red: Sequence[jax.Array], sharded: bool) -> Any:
-        return self.layout.shard_view(red) if sharded else self.layout.unpack(red)
+    def out_full(self, red: Sequence[jax.Array]) -> Any:
+        """Full reduced buckets -> the params-shaped gradients."""
+        return self.layout.unpack(red)
+
+    def out_shards(self, red: Sequence[jax.Array]) -> Any:
+        """This rank's reduced bucket shards -> its shard view of the gradients."""
+        return self.layout.shard_view(red)
+
+    def gather_full(self, view: Any) -> Any:
+        """This rank's shard view -> the full working params (``overlap_param_gather``)."""
+        return gather_full(view, self.layout, self.axis)
+
+    def place(self, fn: Any, view: Any, accs: Any, flags: Any) -> Any:
+        """Run the per-rank ZeRO-3 gather ``fn(view, accs, flags) -> params`` on this rank's
+        blocks (here: the whole params)."""
+        return fn(view, accs, flags)
+
+    def bucket_flags(self, bad: Sequence[jax.Array]) -> Sequence[jax.Array]:
+        """Per bucket, one non-finite flag per parameter (over all blocks)."""
+        return bad
 
 
 class NestedOps(PlainOps):
@@ -97,13 +136,9 @@ class NestedOps(PlainOps):
     and manual over the parameters' other axes (module docstring)."""
 
     def __init__(
-        self,
-        layout: BucketLayout,
-        config: DDPConfig,
-        plan: ShardingPlan,
-        groups: Sequence[Group] | None = None,
+        self, layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
     ):
-        super().__init__(layout, config, plan, groups)
+        super().__init__(layout, config, group, plan)
         self.nested_plan = plan
         self.axes = set(plan.auto_axes)
         auto = plan.auto_axes
@@ -114,6 +149,17 @@ class NestedOps(PlainOps):
         self.leaf_specs = jax.tree_util.tree_unflatten(
             layout.treedef, [ls.spec_over(plan.auto_axes) for ls in plan.leaves]
         )
+        # The shard view of a split leaf is [M, k] here (data-manual): one row per block.
+        self.view_specs = jax.tree_util.tree_unflatten(
+            layout.treedef,
+            [
+                P(_entry(_local_axes(ls, auto)), None) if _local_axes(ls, auto) else P()
+                for ls in plan.leaves
+            ],
+        )
+        self.factors = [
+            math.prod(int(plan.mesh.shape[a]) for a in keys[b.buffer]) for b in layout.buckets
+        ]
 
     def _nest(self, f: Any, in_specs: Any, out_specs: Any) -> Any:
         return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names=self.axes)
@@ -146,12 +192,13 @@ class NestedOps(PlainOps):
         )
         return tuple(f(tuple(acc)))
 
-    def out(self, red: Sequence[jax.Array], sharded: bool) -> Any:
+    def out_full(self, red: Sequence[jax.Array]) -> Any:
+        f = self._nest(lambda x: self.layout.unpack(x), (self.bucket_specs,), self.leaf_specs)
+        return f(tuple(red))
+
+    def out_shards(self, red: Sequence[jax.Array]) -> Any:
         layout, plan = self.layout, self.nested_plan
-        if not sharded:
-            f = self._nest(lambda x: layout.unpack(x), (self.bucket_specs,), self.leaf_specs)
-            return f(tuple(red))
-        # Stage >= 1: a split leaf's local piece becomes one row of its [M, k] view.
+        # A split leaf's local piece becomes one row of its [M, k] view.
         auto = plan.auto_axes
 
         def body(x: Any) -> Any:
@@ -163,36 +210,46 @@ class NestedOps(PlainOps):
             ]
             return jax.tree_util.tree_unflatten(layout.treedef, rows)
 
-        out_specs = jax.tree_util.tree_unflatten(
-            layout.treedef,
-            [
-                P(_entry(_local_axes(ls, auto)), None) if _local_axes(ls, auto) else P()
-                for ls in plan.leaves
-            ],
+        return self._nest(body, (self.bucket_specs,), self.view_specs)(tuple(red))
+
+    def _rows(self, view: Any) -> Any:
+        """Inside the nested region: a split leaf's ``[1, k]`` block -> its 1-D piece."""
+        leaves = jax.tree_util.tree_leaves(view)
+        auto = self.nested_plan.auto_axes
+        rows = [
+            x[0] if _local_axes(ls, auto) else x
+            for x, ls in zip(leaves, self.nested_plan.leaves, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, rows)
+
+    def gather_full(self, view: Any) -> Any:
+        f = self._nest(
+            lambda v: gather_full(self._rows(v), self.layout, self.axis),
+            (self.view_specs,),
+            self.leaf_specs,
         )
-        return self._nest(body, (self.bucket_specs,), out_specs)(tuple(red))
+        return f(view)
+
+    def place(self, fn: Any, view: Any, accs: Any, flags: Any) -> Any:
+        f = self._nest(
+            lambda v, a, fl: fn(self._rows(v), a, fl),
+            (self.view_specs, self.bucket_specs, self.bucket_specs),
+            self.leaf_specs,
+        )
+        return f(view, tuple(accs), tuple(flags))
+
+    def bucket_flags(self, bad: Sequence[jax.Array]) -> Sequence[jax.Array]:
+        return [x.reshape(m, -1).max(axis=0) for x, m in zip(bad, self.factors, strict=True)]
 
 
 def _local_axes(ls: Any, auto: Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in ls.axes if a in auto)
 
 
-def gather_params_nested(
-    view: Any, layout: BucketLayout, config: DDPConfig, plan: ShardingPlan
-) -> Any:
-    """Sharded master view -> working params split like the originals, one ``all_gather``
-    over the data axis per bucket, in a ``shard_map`` manual over every mesh axis."""
-    axis = config.data_axis
-    view_specs = jax.tree_util.tree_unflatten(layout.treedef, plan.view_specs())
-    param_specs = jax.tree_util.tree_unflatten(layout.treedef, plan.param_specs())
-
-    def local(v: Any) -> Any:
-        leaves = [
-            x[0] if ls.axes else x
-            for x, ls in zip(jax.tree_util.tree_leaves(v), plan.leaves, strict=True)
-        ]
-        shards = layout.shard_unview(jax.tree_util.tree_unflatten(layout.treedef, leaves))
-        full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
-        return layout.unpack(full)
-
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(view_specs,), out_specs=param_specs)(view)
+def ops_for(
+    layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
+) -> PlainOps:
+    """The bucket operations of a mesh: nested regions when some parameter is split over an
+    axis the step is not manual over (tensor parallelism), else the plain ones."""
+    cls = NestedOps if plan.auto_axes else PlainOps
+    return cls(layout, config, group, plan)

@@ -105,12 +105,13 @@ def ordered_sum(x: jax.Array, axis_name: str) -> jax.Array:
     return jnp.sum(_all_gather_invariant(x, axis_name, tiled=False), axis=0)
 
 
-def metric_sum(x: jax.Array, config: DDPConfig) -> jax.Array:
-    """Sum a per-rank metric over ``config.data_axis`` (ordered under
+def metric_sum(x: jax.Array, config: DDPConfig, axis: Any = None) -> jax.Array:
+    """Sum a per-rank metric over ``axis`` (default ``config.data_axis``; ordered under
     ``config.deterministic_reduction``, else a ``psum``)."""
+    axis = config.data_axis if axis is None else axis
     if config.deterministic_reduction:
-        return ordered_sum(x, config.data_axis)
-    return jax.lax.psum(x, config.data_axis)
+        return ordered_sum(x, axis)
+    return jax.lax.psum(x, axis)
 
 
 def _scaled(x: jax.Array, factor: float, dtype: Any) -> jax.Array:
@@ -144,8 +145,14 @@ def _reduce_one(
     config: DDPConfig,
     num_microbatches: int,
     deferred: bool = False,
+    *,
+    axis: Any = None,
+    dp: int | None = None,
 ) -> tuple[jax.Array, int]:
     """One bucket's collective. Every scaling is done in fp32 (or wider) before any rounding.
+
+    ``axis`` / ``dp`` (default ``config.data_axis`` / ``layout.dp_size``) name the bucket's
+    reduction group when it is not the data axis (:class:`jaxdp._group.BucketGroup`).
 
     Returns ``(reduced, divisor)``. With ``deferred=False`` the result is final (``divisor`` is
     1). With ``deferred=True`` (stage 2: ``x`` is one micro-batch's gradient and the caller adds
@@ -153,7 +160,9 @@ def _reduce_one(
     divisor the caller applies once to the accumulated sum (:func:`finish_deferred`), so the
     micro-batch sum is never rounded to a scaled value before it is complete.
     """
-    axis, dp, g = config.data_axis, layout.dp_size, num_microbatches
+    axis = config.data_axis if axis is None else axis
+    dp = layout.dp_size if dp is None else dp
+    g = num_microbatches
     wire = jnp.dtype(b.grad_dtype)
     acc = _float_for_sum(wire)
     scatter = layout.kind != "contiguous"

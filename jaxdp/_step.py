@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-from ._multiaxis import batch_spec
-
-if TYPE_CHECKING:
-    from ._engine import DataParallel, TrainState
+from ._state import TrainState
 
 
 def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
@@ -61,7 +58,7 @@ def _check_not_donated(state: Any) -> None:
 class _Step:
     """The jitted step plus the host-side checks (batch validation, NaN report)."""
 
-    def __init__(self, engine: DataParallel, jitted: Any):
+    def __init__(self, engine: Any, jitted: Any):
         self._engine = engine
         self._jitted = jitted
 
@@ -75,7 +72,7 @@ class _Step:
         eng = self._engine
         eng._check_batch(batch)
         state = jax.tree.map(_with_sharding, state, eng._shardings)
-        batch_sharding = eng._sharding(batch_spec(eng.config))
+        batch_sharding = eng._sharding(eng.group.batch_spec())
         batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
         return self._jitted.lower(state, batch)
 

@@ -14,17 +14,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
+from ._gather import gather_buckets
 from ._layout import BucketLayout
-from ._order import after
 
-__all__ = ["SCHEDULING_GROUP_BASE", "clip_by_norm", "gather_params", "optimizer_update"]
-
-#: First XLA ``_scheduling_group_id`` of the end-of-step parameter gathers (one per bucket).
-SCHEDULING_GROUP_BASE = 1_000_000
+__all__ = ["clip_by_norm", "gather_params", "optimizer_update"]
 
 
 def clip_by_norm(grads: Any, norm: jax.Array, config: DDPConfig) -> Any:
@@ -51,37 +47,21 @@ def optimizer_update(
     return optax.apply_updates(target, updates), opt_state
 
 
-def _gather_local(view: Any, last: Any, layout: BucketLayout, axis: str) -> Any:
-    shards = layout.shard_unview(view)  # cast to each bucket's working dtype
-    n = len(layout.buckets)
-    first = jax.lax.all_gather(after(shards[0], last), axis, tiled=True, to="invarying")
-    full = [first] + [None] * (n - 1)
-    leaves: list[Any] = [None] * len(layout.slots)
-    for k, b in enumerate(layout.buckets):
-        # One XLA scheduling group per bucket: bucket k+1's gather runs while bucket k is
-        # split into its leaves. Without it XLA's scheduler (with memory to spare) starts every
-        # gather first and splits them all at the end, keeping every gathered bucket alive at
-        # once: a full second copy of the params (GPU only; other backends ignore the group).
-        # Bucket k+1's gather also depends on bucket k's, so that no combiner merges the two
-        # (a collective merged across groups is a compile error).
-        with set_xla_metadata(_scheduling_group_id=str(SCHEDULING_GROUP_BASE + k)):
-            if k + 1 < n:
-                nxt = after(shards[k + 1], full[k])
-                full[k + 1] = jax.lax.all_gather(nxt, axis, tiled=True, to="invarying")
-            for i, leaf in zip(b.slots, layout.unpack_bucket(b, full[k]), strict=True):
-                leaves[i] = leaf
-    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+def gather_params(
+    view: Any, last: Any, layout: BucketLayout, view_codec: Any, param_codec: Any
+) -> Any:
+    """Sharded master view -> the working params (stages 1-2), one ``all_gather`` per bucket
+    over the data axis (:func:`jaxdp._gather.gather_buckets`), in a ``shard_map`` manual over
+    the whole mesh: each device gathers its own blocks; ``param_codec`` gives the result's
+    shardings (replicated, or split over tensor-parallel axes as the params were)."""
+    mesh, axis = view_codec.sharding.mesh, view_codec.axis
 
+    def local(v: Any, lst: Any) -> Any:
+        return gather_buckets(layout.shard_unview(view_codec.unblock(v)), layout, axis, lst)
 
-def gather_params(view: Any, layout: BucketLayout, config: DDPConfig, mesh: Any, last: Any) -> Any:
-    """Sharded master view -> replicated working params, one ``all_gather`` per bucket, each
-    overlapped with splitting the previous bucket into its leaves; the first starts once
-    ``last`` (a value that needs every reduced gradient, e.g. the gradient norm) is known."""
-    axis = config.data_axis
-    gather = jax.shard_map(
-        lambda v, a: _gather_local(v, a, layout, axis),
+    return jax.shard_map(
+        local,
         mesh=mesh,
-        in_specs=(P(axis), P()),
-        out_specs=P(),
-    )
-    return gather(view, last)
+        in_specs=(view_codec.specs(), P()),
+        out_specs=param_codec.specs(),
+    )(view, last)

@@ -21,7 +21,7 @@ the loss: every layer's full params alive at once. Instead:
   so each stack enters the scan as one fp32 ``[L, 2p + 1]`` array ``[shard | acc | flag]``
   whose per-layer rows the gather splits; its cotangent carries the reduced ``[L, p]``
   gradient and one non-finite flag per layer. The scan bodies are rematerialised with
-  ``DDPConfig.remat_policy`` (:func:`jaxdp._gather.remat_policy_for`), so the backward loop
+  ``DDPConfig.remat_policy`` (:func:`jaxdp._remat.remat_policy_for`), so the backward loop
   gathers every layer again.
 """
 
@@ -37,12 +37,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ._config import DDPConfig
-from ._gather import GATHERED, SCAN_CARRY, make_bucket_gather, remat_policy_for
+from ._gather import make_bucket_gather
 from ._layout import BucketLayout, path_str
+from ._remat import GATHERED, SCAN_CARRY, remat_policy_for
 from ._scan_gather import find_scanned_axes, gather_in_scans
 from ._stacked import layer_shape
 
-__all__ = ["find_stacks", "zero3_scan_value_and_grad"]
+__all__ = ["find_stacks", "finds_stacks", "warn_if_undetected", "zero3_scan_value_and_grad"]
 
 
 def _abstract_microbatch(batch: Any, config: DDPConfig, dp: int) -> Any:
@@ -63,14 +64,13 @@ def find_stacks(
     dp: int,
     previous: dict[int, int] | None = None,
 ) -> dict[int, int]:
-    """``{leaf index: stacked axis}`` of the layer stacks to gather per layer (stage 3 only).
+    """``{leaf index: stacked axis}`` of the layer stacks to gather per layer (the plan calls
+    it where stacks are gathered per layer: :func:`finds_stacks`).
 
     Detection (``config.scan_layers``) needs ``example_batch`` (a global batch, arrays or
     ``ShapeDtypeStruct``); without one the stacks of ``previous`` (an earlier ``init``) are kept.
     ``config.scan_param_patterns`` are applied last and win; one that matches no leaf raises.
     """
-    if config.zero_stage != 3 or not config.scan_layers or config.bucket_layout != "interleaved":
-        return {}
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     found: dict[int, int] = dict(previous or {})
     if example_batch is not None:
@@ -104,10 +104,16 @@ def find_stacks(
     return dict(sorted(found.items()))
 
 
+def finds_stacks(config: DDPConfig) -> bool:
+    """Whether ``config`` gathers scanned layer stacks per layer (stage 3, ``scan_layers``,
+    the interleaved layout; the plan asks, on meshes without tensor-parallel params)."""
+    return config.zero_stage == 3 and config.scan_layers and config.bucket_layout == "interleaved"
+
+
 def warn_if_undetected(engine: Any, batch: Any) -> None:
     """First step at stage 3 without an ``example_batch`` at ``init``: warn if stacks exist."""
     cfg, layout = engine.config, engine.layout
-    if cfg.zero_stage != 3 or not cfg.scan_layers or cfg.bucket_layout != "interleaved":
+    if not engine.plan.finds_stacks:
         return
     params = jax.tree_util.tree_unflatten(
         layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
@@ -133,13 +139,18 @@ def zero3_scan_value_and_grad(
     config: DDPConfig,
     *,
     num_microbatches: int,
-) -> tuple[Callable[..., Any], list[int]]:
+    place: Callable[..., Any] | None = None,
+) -> tuple[Callable[..., Any], list[int], Callable[..., Any]]:
     """:func:`jaxdp._gather.zero3_value_and_grad` for a layout with per-layer stacks.
 
     Same protocol: ``vg(accs, flags, shards, mb) -> ((loss, aux), (d_accs, d_flags))`` with one
-    entry per bucket (``accs``/``flags`` of stack buckets are ignored), and one divisor per
-    bucket appended to the returned list per call.
+    entry per bucket (``accs``/``flags`` of stack buckets are ignored), one divisor per bucket
+    appended to the returned list per call, and the undifferentiated loss (for shapes). Takes
+    the bucket shards (:meth:`BucketLayout.shard_unview` of the view), not the view. Runs on
+    whole params only (the plan gives it no ``place``: stacks are not detected on
+    tensor-parallel meshes).
     """
+    del place
     g, deferred, dp = num_microbatches, num_microbatches > 1, layout.dp_size
     acc_dt = jnp.dtype(config.main_grads_dtype)
     stacked = dict(layout.stacked)
@@ -263,4 +274,9 @@ def zero3_scan_value_and_grad(
             divisors.append(lst[-1] if lst else 1)
         return out, (tuple(red), tuple(bad))
 
-    return vg, divisors
+    def forward(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:  # for shapes only
+        del accs, flags
+        full = tuple(jax.lax.all_gather(x, config.data_axis, tiled=True) for x in shards)
+        return parts(layout.unpack(full), mb)
+
+    return vg, divisors, forward

@@ -30,7 +30,7 @@ from test_zero3_aot import stage3_collectives
 import jaxdp
 from jaxdp import DataParallel, DDPConfig, aot
 from jaxdp._config import REMAT_POLICIES
-from jaxdp._gather import _LAYOUT_PRIMITIVES, GATHERED, SCAN_CARRY, remat_policy_for
+from jaxdp._remat import _LAYOUT_PRIMITIVES, GATHERED, SCAN_CARRY, remat_policy_for
 from jaxdp.models import GPT, GPTConfig, next_byte_loss
 
 MODELS = {

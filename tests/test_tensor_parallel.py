@@ -66,6 +66,39 @@ def test_parity_with_single_device(batches, stage, shape):
         assert state.master["attn"]["bo"].sharding.spec == P("data")
 
 
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("shape", MESHES, ids=["data4xmodel2", "data2xmodel4"])
+def test_zero3_parity_with_single_device(batches, g, shape):
+    """ZeRO-3 on a data x model mesh: the working params are sharded like the master weights
+    ([model blocks, ZeRO view] over model and data) and gathered over the data axis inside the
+    step, each device gathering its own model block; fp32 parity as at stages 0-2."""
+    mesh = tp_mesh(*shape)
+    dp, opt = engine(mesh, zero_stage=3, num_microbatches=g, check_for_nan_in_grad=True)
+    ref, ref_norms = reference_train(tp_loss, opt, tp_params(), batches)
+    state = dp.init(place(tp_params(), mesh))
+    wq = state.params["attn"]["wq"]
+    assert wq.sharding.spec == P("model", "data")
+    assert wq.addressable_shards[0].data.shape == (1, D_LOCAL(shape))
+    assert state.params["attn"]["bo"].sharding.spec == P("data")
+    state, norms = train_steps(dp, state, batches)
+    assert max_rel_err(dp.params(state), ref) < 1e-6
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_param_gather_on_a_2d_mesh(batches, stage):
+    """overlap_param_gather keeps the working params sharded between steps on a data x model
+    mesh too and gathers them (per device block) at the start of the next step."""
+    mesh = tp_mesh(4, 2)
+    dp, opt = engine(mesh, zero_stage=stage, overlap_param_gather=True)
+    ref, _ = reference_train(tp_loss, opt, tp_params(), batches[:3])
+    state = dp.init(place(tp_params(), mesh))
+    assert state.params["attn"]["wq"].sharding.spec == P("model", "data")
+    for b in batches[:3]:
+        state, _ = dp.step(state, dp.shard_batch(b))
+    assert max_rel_err(dp.params(state), ref) < 1e-6
+
+
 def D_LOCAL(shape):
     data, model = shape
     return 16 * 16 // model // data

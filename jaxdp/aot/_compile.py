@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._engine import DataParallel
-from .._gather import gathers_per_parameter
 from .._xla_flags import xla_compiler_options
 from ._report import Collective, ScheduleReport
 
@@ -128,14 +127,6 @@ def compile_step(
         return lowered.compile(compiler_options=opts) if opts else lowered.compile()
 
 
-def _grad_kinds(dp: DataParallel) -> tuple[str, ...]:
-    if dp.config.zero_stage == 0:
-        return ("all-reduce",)
-    if dp.config.reduce_scatter_with_fp32_accumulation:
-        return ("all-to-all",)
-    return ("reduce-scatter",)
-
-
 _HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
 
 
@@ -158,8 +149,9 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     _check_engine("collective_roles", dp)
     numels = {b.numel for b in dp.layout.buckets}
     biggest = max(numels)
-    grad = _grad_kinds(dp)
-    groups = dp.config.zero_stage == 3 and gathers_per_parameter(dp.layout)
+    strategy = dp.plan.strategy
+    grad = strategy.grad_collectives
+    groups = strategy.gathers_per_parameter
     wire = {_HLO_DTYPES.get(jnp.dtype(b.grad_dtype).name) for b in dp.layout.buckets}
     work = {_HLO_DTYPES.get(jnp.dtype(b.dtype).name) for b in dp.layout.buckets}
     roles = []

@@ -23,7 +23,7 @@ from .._mesh import make_mesh
 from ..models.gpt import GPT, generate, next_byte_loss
 from ._data import batch_rows, load_corpus
 from ._options import RunConfig
-from ._report import MetricsLog, bytes_moved_per_step, plot_loss, print_summary
+from ._report import MetricsLog, plot_loss, print_summary
 from ._rundir import UsageError, clear_run
 from ._stop import StopAgreement, StopSignals, signal_name
 
@@ -275,9 +275,7 @@ class Trainer:
             "buckets": len(layout.buckets),
             "bucket_numel": sum(b.numel for b in layout.buckets),
             "state_bytes_per_device": state_bytes,
-            "bytes_per_step": bytes_moved_per_step(
-                layout, self.ddp.zero_stage, self.ddp.num_microbatches
-            ),
+            "bytes_per_step": eng.plan.strategy.bytes_per_step(),
             "first_step": start,
             "last_step": t.steps,
             "loss_first": records[0]["loss"] if records else losses[0],

@@ -6,14 +6,11 @@ import json
 import os
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from .._layout import BucketLayout
-
-__all__ = ["MetricsLog", "bytes_moved_per_step", "plot_loss", "summary_table"]
+__all__ = ["MetricsLog", "plot_loss", "summary_table"]
 
 
 class MetricsLog:
@@ -66,22 +63,6 @@ def plot_loss(records: list[dict[str, Any]], path: str, unigram: float | None = 
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, path)
-
-
-def bytes_moved_per_step(layout: BucketLayout, zero_stage: int, num_microbatches: int) -> int:
-    """Bytes each rank sends per step with ring collectives: ``2 x buckets x (N-1)/N`` for the
-    all-reduce (stage 0) or reduce-scatter + all-gather (stages 1-2; stage 2 reduce-scatters
-    every micro-batch; stage 3 also gathers the params twice per micro-batch, forward and
-    backward: ``3 x`` the bf16 params at ``G = 1``)."""
-    n = layout.dp_size
-    frac = (n - 1) / n
-    grad = sum(b.numel * np.dtype(b.grad_dtype).itemsize for b in layout.buckets)
-    param = sum(b.numel * np.dtype(b.dtype).itemsize for b in layout.buckets)
-    if zero_stage == 0:
-        return int(2 * grad * frac)
-    scatters = num_microbatches if zero_stage >= 2 else 1
-    gathers = 2 * num_microbatches if zero_stage == 3 else 1
-    return int((scatters * grad + gathers * param) * frac)
 
 
 def _mib(x: float) -> str:

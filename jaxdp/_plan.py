@@ -1,0 +1,234 @@
+"""The plan: every variant question of an engine, decided once in ``DataParallel.init``.
+
+:func:`build_plan` reads the config, the mesh, the params (and an example batch) and decides:
+
+* the **group** (:class:`jaxdp._group.ReductionGroup`): who reduces with whom;
+* the **sharding** of the params over the mesh's other axes
+  (:class:`jaxdp._sharding.ShardingPlan`; trivial on a 1-D mesh) and so the **bucket
+  operations** (:func:`jaxdp._nested.ops_for`: nested regions on tensor-parallel meshes);
+* the **layout** (:class:`jaxdp.BucketLayout`, with the scanned layer stacks ZeRO-3 gathers
+  per layer);
+* the **strategy** (:mod:`jaxdp._strategy`), with its codecs and gradient kernel.
+
+It is the only reader of ``zero_stage``, ``overlap_param_gather``, ``expert_axis``, the mesh
+kind and the scan stacks; the step, the checkpoints and the reports ask the strategy.
+Unsupported combinations are the rows of :data:`UNSUPPORTED`, checked before anything is
+built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from ._codec import BlockCodec, Codec, InterleavedCodec, MegatronCodec, ParamCodec
+from ._config import DDPConfig
+from ._gather import gathers_per_parameter, zero3_value_and_grad
+from ._group import ReductionGroup
+from ._kernels import GatherInGrad, ReduceAtEnd, ReduceEachMicrobatch, ScatterAtEnd
+from ._layout import BucketLayout
+from ._nested import ops_for
+from ._optim_check import check_optimizer
+from ._sharding import ShardingPlan
+from ._strategy import Replicated, ShardedOpt, ShardedParams, Strategy
+from ._zero3_scan import find_stacks, finds_stacks, zero3_scan_value_and_grad
+
+__all__ = ["UNSUPPORTED", "Plan", "build_plan", "check_supported"]
+
+
+def _expert_zero(config: DDPConfig, sharding: ShardingPlan | None) -> str | None:
+    if config.expert_axis is None or config.zero_stage == 0:
+        return None
+    return (
+        f"DataParallel: expert_axis={config.expert_axis!r} with zero_stage={config.zero_stage} "
+        "is not implemented yet (expert buffers would need their own ZeRO shard over the "
+        "expert-data-parallel group); expected zero_stage=0. Fix: use zero_stage=0 with "
+        "expert parallelism."
+    )
+
+
+def _megatron_split(config: DDPConfig, sharding: ShardingPlan | None) -> str | None:
+    if sharding is None or sharding.trivial or config.zero_stage == 0:
+        return None
+    if config.bucket_layout != "megatron":
+        return None
+    return (
+        "DataParallel: bucket_layout='megatron' with parameters split over "
+        f"{sharding.auto_axes} is not implemented; expected bucket_layout='interleaved' (the "
+        "default) on a multi-axis mesh. Fix: drop bucket_layout='megatron'."
+    )
+
+
+#: The combinations jaxdp refuses, one row each: ``check(config, sharding) -> message or
+#: None`` (``sharding`` is ``None`` before ``init`` has seen the params).
+UNSUPPORTED: tuple[Callable[[DDPConfig, ShardingPlan | None], str | None], ...] = (
+    _expert_zero,
+    _megatron_split,
+)
+
+
+def check_supported(config: DDPConfig, sharding: ShardingPlan | None = None) -> None:
+    """Raise ``NotImplementedError`` for the first row of :data:`UNSUPPORTED` that applies."""
+    for row in UNSUPPORTED:
+        msg = row(config, sharding)
+        if msg is not None:
+            raise NotImplementedError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`build_plan` decided (module docstring).
+
+    Attributes:
+        group: who reduces with whom.
+        sharding: the params' shardings over the mesh's other axes.
+        layout: the bucket layout (of the rank-local blocks on a tensor-parallel mesh).
+        strategy: the ZeRO strategy; ask it about state forms, the step, checkpoints.
+        finds_stacks: scanned layer stacks are detected and gathered per layer.
+    """
+
+    group: ReductionGroup
+    sharding: ShardingPlan
+    layout: BucketLayout
+    strategy: Strategy
+    finds_stacks: bool = False
+
+
+def read_sharding(
+    params: Any, group: ReductionGroup, config: DDPConfig, param_specs: Any, previous: Plan | None
+) -> ShardingPlan:
+    """The params' non-data shardings. Under ``jax.eval_shape`` (tracer leaves carry no
+    sharding) the previous plan's are reused unless ``param_specs`` is given."""
+    tracers = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
+    if param_specs is None and previous is not None and tracers:
+        treedef = jax.tree_util.tree_structure(params)
+        param_specs = jax.tree_util.tree_unflatten(
+            treedef, [ls.pspec for ls in previous.sharding.leaves]
+        )
+    return ShardingPlan.from_params(
+        params,
+        group.mesh,
+        config.data_axis,
+        param_specs,
+        expert_axis=config.expert_axis,
+        expert_patterns=config.expert_param_patterns,
+    )
+
+
+def _layout(
+    loss_fn: Any,
+    params: Any,
+    config: DDPConfig,
+    group: ReductionGroup,
+    sharding: ShardingPlan,
+    example_batch: Any,
+    previous: Plan | None,
+) -> BucketLayout:
+    dp = group.size
+    if not sharding.trivial:  # the layout of the rank-local blocks; stacks are not detected
+        return BucketLayout.from_params(
+            sharding.local_params(params), config, dp, shard_axes=sharding.buffer_keys()
+        )
+    stacks: dict[int, int] = {}
+    if finds_stacks(config):
+        prev = dict(previous.layout.stacked) if previous is not None else None
+        stacks = find_stacks(loss_fn, params, example_batch, config, dp, prev)
+    return BucketLayout.from_params(params, config, dp, stacked=stacks)
+
+
+def _codecs(config: DDPConfig, layout: BucketLayout, sharding: ShardingPlan) -> tuple[Codec, Codec]:
+    """``(params codec, sharded view codec)``."""
+    plain = ParamCodec(layout, sharding)
+    if config.zero_stage == 0:
+        return plain, plain
+    if not sharding.trivial:
+        return plain, BlockCodec(layout, sharding)
+    view_cls = MegatronCodec if layout.kind == "megatron" else InterleavedCodec
+    return plain, view_cls(layout, sharding)
+
+
+def _strategy(
+    config: DDPConfig,
+    layout: BucketLayout,
+    sharding: ShardingPlan,
+    group: ReductionGroup,
+    optimizer: optax.GradientTransformation,
+) -> Strategy:
+    plain, view = _codecs(config, layout, sharding)
+    common = dict(
+        config=config,
+        layout=layout,
+        sharding=sharding,
+        group=group,
+        optimizer=optimizer,
+        ops=ops_for(layout, config, group, sharding),
+        # The step is manual over the group's axes; on a mesh whose other axes hold no split
+        # parameter, over all of them (the params are whole there).
+        axis_names=set(group.mesh.axis_names if sharding.trivial else group.manual_axes),
+    )
+    g, stage = config.num_microbatches, config.zero_stage
+    kernel: Callable[..., Any]
+    if stage == 0:
+        kernel = ReduceAtEnd
+        return Replicated(kernel=kernel, master_codec=plain, params_codec=plain, **common)
+    if stage in (1, 2):
+        early = config.overlap_param_gather  # params kept sharded, gathered up front
+        each: type[ScatterAtEnd] = ReduceEachMicrobatch if stage == 2 and g > 1 else ScatterAtEnd
+        kernel = functools.partial(each, gather_first=early)
+        return ShardedOpt(
+            kernel=kernel,
+            master_codec=view,
+            params_codec=view if early else plain,
+            params_sharded=early,
+            scatters_per_step=g if stage == 2 else 1,
+            **common,
+        )
+    # stage 3: scanned layer stacks are gathered one layer per scan iteration
+    vg = zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad
+    pre: Callable[..., Any] = layout.shard_unview if layout.stacked else (lambda v: v)
+    kernel = functools.partial(GatherInGrad, value_and_grad=vg, pre=pre)
+    return ShardedParams(
+        kernel=kernel,
+        master_codec=view,
+        params_codec=view,
+        per_parameter=gathers_per_parameter(layout),
+        **common,
+    )
+
+
+def build_plan(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    config: DDPConfig,
+    group: ReductionGroup,
+    params: Any,
+    *,
+    param_specs: Any = None,
+    example_batch: Any = None,
+    previous: Plan | None = None,
+) -> Plan:
+    """Decide everything (module docstring). ``previous``: the plan of an earlier ``init`` of
+    the same engine (its stacks and shardings are kept; another model is refused)."""
+    sharding = read_sharding(params, group, config, param_specs, previous)
+    check_supported(config, sharding)
+    layout = _layout(loss_fn, params, config, group, sharding, example_batch, previous)
+    if previous is not None and previous.layout != layout:
+        raise ValueError(
+            "DataParallel.init: these params have a different structure, shapes or dtypes "
+            "than the ones this engine was initialised with. Fix: build a new DataParallel "
+            "for a different model."
+        )
+    strategy = _strategy(config, layout, sharding, group, optimizer)
+    check_optimizer(optimizer, layout, strategy.master_dtype)
+    return Plan(
+        group=group,
+        sharding=sharding,
+        layout=layout,
+        strategy=strategy,
+        finds_stacks=finds_stacks(config) and sharding.trivial,
+    )

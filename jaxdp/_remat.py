@@ -1,0 +1,128 @@
+"""Stage 3's rematerialisation: which intermediates the backward pass keeps.
+
+ZeRO-3 wraps the user's loss in ``jax.checkpoint`` so the gathered params are not kept alive
+between the forward and backward pass (they are gathered again). ``DDPConfig.remat_policy``
+picks what else is saved; :func:`remat_policy_for` is the one place that maps the field to a
+policy, and every policy refuses the gathered params (named :data:`GATHERED`) and what layout
+primitives derive from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._config import DDPConfig
+
+__all__ = [
+    "GATHERED",
+    "SCAN_CARRY",
+    "dots_policy",
+    "gemm_policy",
+    "not_gathered_policy",
+    "remat_policy_for",
+]
+
+#: ``checkpoint_name`` of the gathered params at stage 3 (never saved as a residual).
+GATHERED = "jaxdp_gathered_params"
+#: ``checkpoint_name`` of each iteration's carry output in a scan whose layer stack is gathered
+#: per layer (the next layer's input; MaxText names it ``decoder_layer_input``). Saved by
+#: every policy but ``"nothing"``: jax applies the outer ``jax.checkpoint``'s policy inside the
+#: scan bodies, and without it the backward pass runs the forward loop, gathers included,
+#: once more to recompute the layer inputs.
+SCAN_CARRY = "jaxdp_scan_carry"
+
+# Primitives that only move, cast or replicate data. Their outputs are never saved for the
+# backward pass: with a "save anything" policy the unpacked params (slices and reshapes of a
+# gathered bucket), their casts and transposes would otherwise be kept alive as residuals
+# although the gathered bucket itself is not; refusing them makes JAX save their (cheap to
+# re-derive) inputs instead, and for the params that input is the shard, so the backward pass
+# gathers again. Activations are unaffected: the producer of a reshaped activation is saved.
+_LAYOUT_PRIMITIVES = frozenset(
+    {
+        "all_gather",
+        "broadcast_in_dim",
+        "concatenate",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "dynamic_slice",
+        "pad",
+        "reduce_precision",
+        "reshape",
+        "slice",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+    }
+)
+
+
+def not_gathered_policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """``remat_policy="everything"``: save every intermediate except the gathered params
+    (named :data:`GATHERED`) and anything a layout primitive derives from them."""
+    if prim.name == "name":
+        return bool(params.get("name") != GATHERED)
+    return prim.name not in _LAYOUT_PRIMITIVES
+
+
+def gemm_policy(prim: Any, *args: Any, **params: Any) -> bool:
+    """``remat_policy="gemm"``: save only the outputs of ``dot_general`` without batch
+    dimensions (jax's ``dots_with_no_batch_dims_saveable``) and the layer inputs of gathered
+    scans (:data:`SCAN_CARRY`). Gathered params and their layout derivatives are never dots,
+    so they are recomputed (gathered again)."""
+    if prim.name == "name":
+        return bool(params.get("name") == SCAN_CARRY)
+    return bool(jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
+
+
+# cuDNN fused attention (jax.nn.dot_product_attention(implementation="cudnn")) as a policy sees
+# it: its custom_vjp's forward rule binds these (outputs: the attention output and the softmax
+# statistics the backward kernel reads). The XLA implementation is plain dot_generals.
+_FUSED_ATTENTION = frozenset(
+    {
+        "dot_product_attention_fwd_wrapper",
+        "dot_product_attention_fp8_fwd_wrapper",
+        "dot_product_attention_fwd",
+        "dot_product_attention_fp8_fwd",
+    }
+)
+
+
+def dots_policy(prim: Any, *args: Any, **params: Any) -> bool:
+    """``remat_policy="dots"``: save every ``dot_general`` (batched too), convolution and
+    cuDNN fused-attention output (jax's ``dots_saveable`` plus fused attention), and the layer
+    inputs of gathered scans (:data:`SCAN_CARRY`)."""
+    if prim.name == "name":
+        return bool(params.get("name") == SCAN_CARRY)
+    if prim.name in _FUSED_ATTENTION:
+        return True
+    return bool(jax.checkpoint_policies.dots_saveable(prim, *args, **params))
+
+
+_POLICIES: dict[str, Callable[..., bool]] = {
+    "gemm": gemm_policy,
+    "dots": dots_policy,
+    "everything": not_gathered_policy,
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def remat_policy_for(config: DDPConfig) -> Callable[..., bool]:
+    """The ``jax.checkpoint`` policy of stage 3 for ``config.remat_policy``.
+
+    The one place that maps the field to a policy: :func:`zero3_value_and_grad` and
+    :func:`jaxdp._zero3_scan.zero3_scan_value_and_grad` (outer loss and scan bodies) use it.
+    Every policy refuses the gathered params (named :data:`GATHERED`) and what layout
+    primitives derive from them, so the backward pass gathers them again.
+
+    Example:
+        >>> from jaxdp import DDPConfig
+        >>> remat_policy_for(DDPConfig(zero_stage=3)) is gemm_policy
+        True
+    """
+    return _POLICIES[config.remat_policy]

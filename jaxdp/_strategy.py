@@ -1,0 +1,283 @@
+"""ZeRO strategies: one per row of the ZeRO table, each a small bundle behind one interface.
+
+=====================  =======================  =====================  ===================
+strategy               working params           master / opt state     gradient kernel
+=====================  =======================  =====================  ===================
+:class:`Replicated`    replicated               replicated             all-reduce at end
+:class:`ShardedOpt`    replicated (gathered     sharded view           reduce-scatter at
+                       after the update)                               end (stage 1) or
+                                                                       every micro-batch
+                                                                       (stage 2)
+:class:`ShardedParams` sharded view (gathered   sharded view           gather in the
+                       inside the step)                                differentiated fn
+=====================  =======================  =====================  ===================
+
+A strategy is built once by the plan (:func:`jaxdp._plan.build_plan`) from pieces the plan
+chose: two codecs (:mod:`jaxdp._codec`: the form of ``TrainState.master`` and of
+``TrainState.params``), the gradient kernel (:mod:`jaxdp._kernels`) and the bucket operations
+of the mesh (:mod:`jaxdp._nested`). Everything the engine, ``CheckpointManager``,
+``jaxdp.aot`` and ``jaxdp-train`` need to know about a stage they ask the strategy:
+
+* the state: :meth:`Strategy.init_state`, :meth:`Strategy.state_shardings`,
+  :meth:`Strategy.target`;
+* the step: :meth:`Strategy.local_step` (gradients and metrics, in the step's
+  ``shard_map``) and :meth:`Strategy.rebuild` (the working params after the update);
+* export and checkpoints: :meth:`Strategy.export`, :meth:`Strategy.to_canonical`,
+  :meth:`Strategy.from_canonical`, :meth:`Strategy.full_params`;
+* reports: :attr:`Strategy.grad_collectives`, :attr:`Strategy.gathers_per_parameter`,
+  :meth:`Strategy.bytes_per_step`.
+
+Like an optax ``GradientTransformation`` a strategy holds no arrays: every method is a pure
+function of its arguments and the static pieces it was built from.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._codec import Codec
+from ._config import DDPConfig
+from ._group import ReductionGroup
+from ._layout import BucketLayout
+from ._local import local_gradients, loss_parts
+from ._sharding import ShardingPlan
+from ._state import TrainState
+from ._update import gather_params
+
+__all__ = ["Replicated", "ShardedOpt", "ShardedParams", "Strategy"]
+
+
+def _cast_like(new: Any, like: Any) -> Any:
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), new, like)
+
+
+class Strategy:
+    """The interface every ZeRO strategy implements (module docstring).
+
+    Attributes:
+        name: ``"replicated"``, ``"sharded optimizer"`` or ``"sharded params"``.
+        config, layout, sharding, group: what the plan built it from.
+        master_codec: the form of ``master`` and the optimizer state (and of the reduced
+            gradients the step hands the optimizer).
+        params_codec: the form of the working params between steps.
+        has_master: whether ``TrainState.master`` exists (``False`` only at stage 0 with
+            params already in the master dtype).
+        grad_collectives: HLO opcodes the gradient buckets are reduced with.
+        gathers_per_parameter: ZeRO-3 gathers (and reduce-scatters) each parameter on its
+            own, XLA combining them (:func:`jaxdp._gather.make_leaf_gather`).
+    """
+
+    name = ""
+    gathers_per_parameter = False
+
+    def __init__(
+        self,
+        *,
+        config: DDPConfig,
+        layout: BucketLayout,
+        sharding: ShardingPlan,
+        group: ReductionGroup,
+        optimizer: optax.GradientTransformation,
+        ops: Any,
+        kernel: Callable[..., Any],
+        master_codec: Codec,
+        params_codec: Codec,
+        axis_names: Any,
+    ):
+        self.config, self.layout, self.sharding, self.group = config, layout, sharding, group
+        self.optimizer, self.ops, self.make_kernel = optimizer, ops, kernel
+        self.master_codec, self.params_codec = master_codec, params_codec
+        self.axis_names = axis_names  # the step's manual axes
+        self.master_dtype = (
+            jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
+        )
+        self.work_dtypes = [jnp.dtype(config.param_dtype or s.dtype) for s in layout.slots]
+        self.has_master = True
+        # the opcode of a bucket's gradient collective (jaxdp.aot labels them by it)
+        rs_fp32 = config.reduce_scatter_with_fp32_accumulation
+        self.grad_collectives: tuple[str, ...] = ("all-to-all",) if rs_fp32 else ("reduce-scatter",)
+
+    # ------------------------------------------------------------------ state
+    def _work(self, params: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves(params)
+        cast = [jnp.asarray(x).astype(d) for x, d in zip(leaves, self.work_dtypes, strict=True)]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, cast)
+
+    def init_state(self, params: Any) -> TrainState:
+        """Full params -> the strategy's :class:`TrainState` (works under ``eval_shape``)."""
+        work = self.params_codec.to_view(self._work(params))
+        master = self.master_codec.to_view(params, self.master_dtype) if self.has_master else None
+        target = work if master is None else master
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=work,
+            master=master,
+            opt_state=self.optimizer.init(target),
+        )
+
+    def state_shardings(self, abstract: TrainState) -> TrainState:
+        """The ``NamedSharding`` of every leaf of an (abstract) state."""
+        codec = self.master_codec if self.has_master else self.params_codec
+        return TrainState(
+            step=NamedSharding(self.sharding.mesh, P()),  # type: ignore[arg-type]
+            params=self.params_codec.shardings(abstract.params),
+            master=None
+            if abstract.master is None
+            else self.master_codec.shardings(abstract.master),
+            opt_state=codec.opt_shardings(abstract.opt_state),
+        )
+
+    def target(self, state: TrainState) -> Any:
+        """What the optimizer updates: the master weights (or the params without them)."""
+        return state.master if self.has_master else state.params
+
+    # ------------------------------------------------------------------ step
+    def local_step(self, loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[Any, Any]:
+        """Reduced gradients (in ``master_codec``'s form) and metrics, in one ``shard_map``
+        manual over the group's axes (the other axes stay under the compiler)."""
+
+        def parts(p: Any, mb: Any) -> Any:
+            return loss_parts(loss_fn, self.config, p, mb)
+
+        def body(p: Any, b: Any) -> Any:
+            kernel = self.make_kernel(parts, self.layout, self.config, self.ops)
+            return local_gradients(p, b, kernel=kernel, config=self.config, group=self.group)
+
+        step = jax.shard_map(
+            body,
+            mesh=self.sharding.mesh,
+            in_specs=(self.params_codec.step_specs(), self.group.batch_spec()),
+            out_specs=(self.master_codec.step_specs(), P()),
+            axis_names=self.axis_names,
+        )
+        return step(params, batch)
+
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+        """``(params, master)`` after the update (``params``: the step's input params;
+        ``last``: a value every gradient reduction feeds, to order gathers after)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ export, checkpoints
+    def export(self, master: Any) -> Any:
+        """The master weights as whole params in the dtypes ``init`` got."""
+        full = jax.tree_util.tree_leaves(self.master_codec.from_view(master))
+        cast = [x.astype(s.dtype) for x, s in zip(full, self.layout.slots, strict=True)]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, cast)
+
+    def full_params(self, dtype: Any = None) -> Any:
+        """Abstract whole params (``ShapeDtypeStruct``), in ``dtype`` or the given dtypes."""
+        leaves = [
+            jax.ShapeDtypeStruct(ls.shape, dtype or s.dtype)
+            for ls, s in zip(self.sharding.leaves, self.layout.slots, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+    def to_canonical(self, state: TrainState) -> tuple[Any, Any, Any]:
+        """``(params, master or None, opt_state)``, every parameter-shaped leaf in its
+        parameter's shape (what a checkpoint stores)."""
+        params = self.params_codec.from_view(state.params)
+        codec = self.master_codec if self.has_master else self.params_codec
+        opt = codec.opt_from_view(state.opt_state, self.target(state))
+        master = self.master_codec.from_view(state.master) if self.has_master else None
+        return params, master, opt
+
+    def from_canonical(self, step: Any, params: Any, master: Any, opt: Any) -> TrainState:
+        """Inverse of :meth:`to_canonical`. ``master`` may be ``None`` (a checkpoint written
+        without master weights: its params are fp32, and become the master weights)."""
+        work = self._work(params)
+        abstract = jax.eval_shape(self.init_state, work)
+        full_master = params if master is None else master
+        new_master = (
+            self.master_codec.to_view(full_master, self.master_dtype) if self.has_master else None
+        )
+        codec = self.master_codec if self.has_master else self.params_codec
+        opt = codec.opt_to_view(opt, abstract.opt_state)
+        opt = jax.tree.map(lambda x, a: x.astype(a.dtype), opt, abstract.opt_state)
+        return TrainState(
+            step=step, params=self.params_codec.to_view(work), master=new_master, opt_state=opt
+        )
+
+    # ------------------------------------------------------------------ reports
+    def _bytes(self) -> tuple[float, int, int]:
+        n = self.group.size
+        grad = sum(b.numel * np.dtype(b.grad_dtype).itemsize for b in self.layout.buckets)
+        param = sum(b.numel * np.dtype(b.dtype).itemsize for b in self.layout.buckets)
+        return (n - 1) / n, grad, param
+
+    def bytes_per_step(self) -> int:
+        """Bytes each rank sends per step with ring collectives."""
+        raise NotImplementedError
+
+
+class Replicated(Strategy):
+    """Stage 0: everything replicated over the data axis; one all-reduce per bucket."""
+
+    name = "replicated"
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.has_master = any(d != self.master_dtype for d in self.work_dtypes)
+        self.grad_collectives = ("all-reduce",)
+
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+        if self.has_master:
+            return _cast_like(new_target, params), new_target
+        return new_target, None
+
+    def bytes_per_step(self) -> int:
+        frac, grad, _ = self._bytes()
+        return int(2 * grad * frac)
+
+
+class ShardedOpt(Strategy):
+    """Stages 1-2: master weights and optimizer state sharded over the data axis; gradients
+    reduce-scattered once (stage 1) or every micro-batch (stage 2); the working params
+    gathered after the update (or, with ``overlap_param_gather``, kept sharded and gathered
+    at the start of the next step)."""
+
+    name = "sharded optimizer"
+
+    def __init__(self, *, scatters_per_step: int, params_sharded: bool, **kw: Any):
+        super().__init__(**kw)
+        self.scatters = scatters_per_step
+        self.params_sharded = params_sharded
+
+    def _gather(self, new: Any, params: Any, last: jax.Array) -> Any:
+        return gather_params(new, last, self.layout, self.master_codec, self.params_codec)
+
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+        # overlap_param_gather: the next step gathers them; just cast the new master shards
+        rebuild = _cast_like if self.params_sharded else functools.partial(self._gather, last=last)
+        return rebuild(new_target, params), new_target
+
+    def bytes_per_step(self) -> int:
+        frac, grad, param = self._bytes()
+        return int((self.scatters * grad + param) * frac)
+
+
+class ShardedParams(Strategy):
+    """Stage 3: working params sharded too, gathered bucket by bucket (or layer by layer)
+    inside every micro-batch's forward and backward pass."""
+
+    name = "sharded params"
+
+    def __init__(self, *, per_parameter: bool, **kw: Any):
+        super().__init__(**kw)
+        self.gathers_per_parameter = per_parameter
+
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+        return _cast_like(new_target, params), new_target
+
+    def bytes_per_step(self) -> int:
+        frac, grad, param = self._bytes()
+        g = self.config.num_microbatches
+        return int((g * grad + 2 * g * param) * frac)
