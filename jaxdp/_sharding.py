@@ -293,21 +293,6 @@ class ShardingPlan:
             return v[: s.size].reshape(ls.shape)
         return self.from_blocks(v[:, : s.size].reshape(ls.factor, *s.shape), ls)
 
-    def to_global_view(self, layout: BucketLayout, tree: Any, dtype: Any = None) -> Any:
-        """Whole params -> the ZeRO global view (interleaved layout; module docstring)."""
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        out = []
-        for i, x in enumerate(leaves):
-            x = jnp.asarray(x)
-            out.append(self.leaf_to_view(i, layout, x if dtype is None else x.astype(dtype)))
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    def from_global_view(self, layout: BucketLayout, view: Any) -> Any:
-        """Inverse of :meth:`to_global_view`: the whole params."""
-        leaves = jax.tree_util.tree_leaves(view)
-        out = [self.leaf_from_view(i, layout, v) for i, v in enumerate(leaves)]
-        return jax.tree_util.tree_unflatten(layout.treedef, out)
-
 
 def _mark_experts(
     paths: list[str], specs: list[Any], expert_axis: str, patterns: tuple[str, ...]
