@@ -54,8 +54,8 @@ class ReductionGroup:
         >>> import jax
         >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
         >>> g = ReductionGroup(mesh, "data")
-        >>> g.axes, g.manual_axes, g.size == jax.device_count(), g.batch_spec()
-        ('data', ('data',), True, PartitionSpec('data',))
+        >>> g.axes, g.manual_axes, g.size == jax.device_count(), g.batch_spec() == P("data")
+        ('data', ('data',), True, True)
     """
 
     mesh: Any
