@@ -17,6 +17,7 @@ store everything params-shaped). The plan (:mod:`jaxdp._plan`) picks one per sta
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -110,12 +111,17 @@ class Codec:
     def _match(self, path: Any, shape: tuple[int, ...]) -> int | None:
         """The parameter an optimizer-state leaf belongs to: its key path ends with the
         parameter's and its shape is the parameter's view shape."""
-        path = tuple(path)
-        for i, kp in enumerate(self.key_paths):
+        path, shape = tuple(path), tuple(shape)
+        for i, (kp, want) in enumerate(zip(self.key_paths, self._view_shapes, strict=True)):
             n = len(kp)
-            if n and path[-n:] == kp and tuple(shape) == tuple(self.view_shape(i)):
+            if n and path[-n:] == kp and shape == want:
                 return i
         return None
+
+    @functools.cached_property
+    def _view_shapes(self) -> list[tuple[int, ...]]:
+        """Every leaf's view shape, once (``_match`` runs per optimizer-state leaf)."""
+        return [tuple(self.view_shape(i)) for i in range(len(self.key_paths))]
 
     def opt_shardings(self, abstract_opt: Any) -> Any:
         """Optimizer-state leaves are sharded like their parameter's view; others (step
@@ -246,6 +252,12 @@ class BlockCodec(Codec):
     """Params split over tensor-parallel axes: ``[blocks, padded block]`` sharded
     ``P(model axes, data_axis)``; unsplit params as :class:`InterleavedCodec`."""
 
+    def __init__(self, layout: BucketLayout, sharding: ShardingPlan):
+        super().__init__(layout, sharding)
+        # The plan computes these for every leaf at once: ask it once, not per leaf.
+        self._shapes = sharding.view_shapes(layout)
+        self._specs = sharding.view_specs()
+
     def leaf_to_view(self, i: int, x: Any) -> Any:
         return self.sharding.leaf_to_view(i, self.layout, x)
 
@@ -253,10 +265,10 @@ class BlockCodec(Codec):
         return self.sharding.leaf_from_view(i, self.layout, v)
 
     def view_shape(self, i: int) -> tuple[int, ...]:
-        return self.sharding.view_shapes(self.layout)[i]
+        return self._shapes[i]
 
     def view_spec(self, i: int) -> P:
-        return self.sharding.view_specs()[i]
+        return self._specs[i]
 
     def step_spec(self, i: int) -> P:
         return P(None, self.axis) if self.sharding.leaves[i].axes else P(self.axis)
