@@ -9,6 +9,7 @@ _prepare_jax()  # before anything imports jax: no CUDA noise on machines without
 
 from . import aot as aot
 from . import nn as nn
+from . import testing as testing
 from ._batching import microbatches as microbatches
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
@@ -22,6 +23,7 @@ from ._layout import BucketLayout as BucketLayout
 from ._layout import Buffer as Buffer
 from ._layout import ParamSlot as ParamSlot
 from ._layout import path_str as path_str
+from ._loss import LossOutput as LossOutput
 from ._mesh import dp_size as dp_size
 from ._mesh import make_mesh as make_mesh
 from ._padding import bucket_end_divisor as bucket_end_divisor
@@ -52,9 +54,11 @@ __all__ = [
     "Buffer",
     "DDPConfig",
     "DataParallel",
+    "LossOutput",
     "ParamSlot",
     "TrainState",
     "aot",
+    "testing",
     "all_to_all_fp32_reduce_scatter",
     "apply_xla_flags",
     "combine_thresholds",

@@ -141,9 +141,18 @@ class CheckpointManager:
         }
         if master is not None:
             out["master"] = _as_dict(master)
+        if state.model_state is not None:
+            out["model_state"] = _as_dict(state.model_state)
+        if state.rng is not None:
+            out["rng"] = jax.random.key_data(state.rng)  # typed keys are stored as their data
         return out
 
-    def _meta(self, canonical: Any, opt_paths: list[str]) -> dict[str, Any]:
+    def _with_extras(self, abstract: TrainState) -> TrainState:
+        """``abstract`` with the engine's (abstract) model state and key."""
+        eng = self.engine.abstract_state
+        return abstract._replace(model_state=eng.model_state, rng=eng.rng)
+
+    def _meta(self, canonical: Any, opt_paths: list[str], rng_impl: str | None) -> dict[str, Any]:
         full = jax.tree_util.tree_leaves(self._strategy.full_params())
         return {
             "format": _FORMAT,
@@ -152,6 +161,17 @@ class CheckpointManager:
                 for p, x in zip(self._param_paths(), full, strict=True)
             ],
             "has_master": "master" in canonical,
+            "model_state": None
+            if "model_state" not in canonical
+            else [
+                [p, list(x.shape), jnp.dtype(x.dtype).name]
+                for p, x in zip(
+                    _leaf_paths(self.engine.abstract_state.model_state),
+                    canonical["model_state"].values(),
+                    strict=True,
+                )
+            ],
+            "rng": rng_impl,
             "opt_state": [
                 [p, list(x.shape), str(x.dtype)]
                 for p, x in zip(opt_paths, canonical["opt_state"].values(), strict=True)
@@ -186,7 +206,8 @@ class CheckpointManager:
             )
         canonical = self._to_canonical(state)
         opt_paths = _leaf_paths(self._canonical_opt_abstract())
-        meta = self._meta(canonical, opt_paths)
+        impl = None if state.rng is None else str(jax.random.key_impl(state.rng))
+        meta = self._meta(canonical, opt_paths, impl)
         self._mngr.save(
             int(step),
             args=ocp.args.Composite(
@@ -231,10 +252,15 @@ class CheckpointManager:
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
         )["state"]
         if self._from_canonical is None:
+            shardings = self.engine.state_shardings
             self._from_canonical = jax.jit(
-                self._from_canonical_fn, out_shardings=self.engine.state_shardings
+                self._from_canonical_fn,
+                out_shardings=(shardings._replace(rng=None), NamedSharding(self.engine.mesh, P())),
             )
-        return self._from_canonical(loaded)
+        state, key_data = self._from_canonical(loaded)
+        if key_data is None:
+            return state
+        return state._replace(rng=jax.random.wrap_key_data(key_data, impl=meta["rng"]))
 
     def _target(self, meta: dict[str, Any], where: str) -> dict[str, Any]:
         """The canonical tree this engine expects, checked against the checkpoint's metadata."""
@@ -269,8 +295,9 @@ class CheckpointManager:
                 f"(shape {saved[extra[0]][0]}), which this model does not have. Fix: build the "
                 "model the checkpoint was trained with, or train from scratch."
             )
-        abstract = jax.eval_shape(self._strategy.init_state, full)
+        abstract = self._with_extras(jax.eval_shape(self._strategy.init_state, full))
         canonical = jax.eval_shape(self._canonical_fn, abstract)
+        self._check_extras(meta, canonical, where)
         opt_paths = _leaf_paths(self._canonical_opt_abstract())
         got = [(p, tuple(s)) for p, s, _ in meta["opt_state"]]
         exp = [(p, tuple(x.shape)) for p, x in zip(opt_paths, canonical["opt_state"].values())]
@@ -291,13 +318,58 @@ class CheckpointManager:
             canonical.pop("master", None)
         return canonical
 
-    def _from_canonical_fn(self, c: dict[str, Any]) -> TrainState:
+    def _check_extras(self, meta: dict[str, Any], canonical: dict[str, Any], where: str) -> None:
+        """The checkpoint's model state and key against the engine's (``canonical``)."""
+        saved = meta.get("model_state")
+        if (saved is None) != ("model_state" not in canonical):
+            has = "holds a model_state" if saved is not None else "holds no model_state"
+            fix = (
+                "dp.init(params, model_state=...) with the model's state (e.g. batch_stats)"
+                if saved is not None
+                else "init the engine without model_state, or restore a checkpoint of a run "
+                "that had one"
+            )
+            raise CheckpointMismatchError(
+                f"CheckpointManager.restore: the checkpoint {where} {has} but the engine was "
+                f"initialised {'without' if saved is not None else 'with'} one. Fix: {fix}."
+            )
+        if saved is not None:
+            paths = _leaf_paths(self.engine.abstract_state.model_state)
+            want = [
+                [p, list(x.shape)]
+                for p, x in zip(paths, canonical["model_state"].values(), strict=True)
+            ]
+            got = [[p, list(sh)] for p, sh, _ in saved]
+            if got != want:
+                diff = next(
+                    (f"{g} vs expected {e}" for g, e in zip(got, want) if g != e),
+                    f"{len(got)} leaves vs expected {len(want)}",
+                )
+                raise CheckpointMismatchError(
+                    f"CheckpointManager.restore: the model_state in {where} does not match the "
+                    f"engine's (first difference: {diff}). Fix: build the model the checkpoint "
+                    "was trained with."
+                )
+        if (meta.get("rng") is None) != ("rng" not in canonical):
+            raise CheckpointMismatchError(
+                f"CheckpointManager.restore: the checkpoint {where} "
+                f"{'holds a PRNG key' if meta.get('rng') else 'holds no PRNG key'} but the "
+                f"engine was initialised {'without' if meta.get('rng') else 'with'} rng=. Fix: "
+                "init the engine the way the checkpointed run was (dp.init(params, rng=key) "
+                "for a model with dropout), so that the key stream continues or is not invented."
+            )
+
+    def _from_canonical_fn(self, c: dict[str, Any]) -> tuple[TrainState, Any]:
         treedef = self.engine.layout.treedef
         params = _from_dict(c["params"], treedef)
         master = _from_dict(c["master"], treedef) if "master" in c else None
         opt_def = jax.tree_util.tree_structure(self._canonical_opt_abstract())
         opt = jax.tree_util.tree_unflatten(opt_def, list(c["opt_state"].values()))
-        return self._strategy.from_canonical(c["step"], params, master, opt)
+        state = self._strategy.from_canonical(c["step"], params, master, opt)
+        if "model_state" in c:
+            ms_def = jax.tree_util.tree_structure(self.engine.abstract_state.model_state)
+            state = state._replace(model_state=_from_dict(c["model_state"], ms_def))
+        return state, c.get("rng")
 
 
 def _as_dict(tree: Any) -> dict[str, Any]:

@@ -172,6 +172,13 @@ class DDPConfig:
             gradients).
             Stages 0-2 do not rematerialise, so another value there is an error (wrap your
             ``loss_fn`` in ``jax.checkpoint`` yourself).
+        model_state_sync: how the ranks combine the non-trainable state
+            (``DataParallel.init(params, model_state=...)``: BatchNorm statistics and the
+            like) at the end of each step, after each rank has updated its copy over its
+            micro-batches in order. ``"mean"`` (default): the mean over the data-parallel
+            group (floating leaves, summed in fp32; integer leaves such as counters take
+            rank 0's value), right for running statistics. ``"broadcast"``: rank 0's state
+            (PyTorch DDP's ``broadcast_buffers``).
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -205,6 +212,7 @@ class DDPConfig:
     scan_layers: bool = True
     scan_param_patterns: tuple[tuple[str, int], ...] = ()
     remat_policy: Literal["gemm", "dots", "everything", "nothing"] = "gemm"
+    model_state_sync: Literal["mean", "broadcast"] = "mean"
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

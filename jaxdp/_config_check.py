@@ -25,6 +25,8 @@ _LAYOUTS = ("interleaved", "megatron")
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 #: Values of ``DDPConfig.remat_policy`` (the policies themselves: ``jaxdp._gather``).
 REMAT_POLICIES: Final = ("gemm", "dots", "everything", "nothing")
+#: Values of ``DDPConfig.model_state_sync``.
+MODEL_STATE_SYNC: Final = ("mean", "broadcast")
 
 
 def _did_you_mean(unknown: list[Any], names: list[str]) -> str:
@@ -266,6 +268,15 @@ def check_fields(cfg: Any) -> None:
             f"one of {REMAT_POLICIES} (what stage 3's jax.checkpoint saves)",
             "use 'gemm' (GEMM outputs only, the default), 'dots', 'everything' or 'nothing'",
             TypeError if not isinstance(cfg.remat_policy, str) else ValueError,
+        )
+
+    if not isinstance(cfg.model_state_sync, str) or cfg.model_state_sync not in MODEL_STATE_SYNC:
+        raise _err(
+            "model_state_sync",
+            cfg.model_state_sync,
+            f"one of {MODEL_STATE_SYNC} (how the ranks combine the model_state each step)",
+            "use 'mean' (running statistics, the default) or 'broadcast' (rank 0's)",
+            TypeError if not isinstance(cfg.model_state_sync, str) else ValueError,
         )
 
 

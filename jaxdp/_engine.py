@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from ._config import DDPConfig
 from ._group import ReductionGroup
 from ._layout import BucketLayout
+from ._loss import LossCall, check_init_inputs, plain_loss
 from ._mesh import auto_mesh, check_mesh, make_mesh
 from ._plan import Plan, build_plan, check_supported
 from ._state import TrainState
@@ -44,9 +45,12 @@ class DataParallel:
     """Data-parallel training with Megatron's gradient machinery.
 
     Args:
-        loss_fn: ``loss_fn(params, microbatch) -> loss`` (mean over the micro-batch) or
-            ``-> (loss, aux)``; with ``config.calculate_per_token_loss`` it returns
-            ``(loss_sum, num_tokens)``.
+        loss_fn: ``loss_fn(params, microbatch) -> loss`` (mean over the micro-batch),
+            ``-> (loss, aux)`` or ``-> jaxdp.LossOutput(loss, aux, model_state, num_tokens)``;
+            with ``config.calculate_per_token_loss`` it returns ``(loss_sum, num_tokens)``.
+            When :meth:`init` got a ``model_state`` / an ``rng`` it is also passed
+            ``model_state=`` / ``rng=`` (keywords). ``metrics["aux"]`` is the elementwise mean
+            of ``aux`` over micro-batches and ranks.
         optimizer: an ``optax.GradientTransformation``.
         config: a :class:`DDPConfig`.
         mesh: a mesh with ``config.data_axis`` (default: :func:`make_mesh` over all devices);
@@ -106,6 +110,9 @@ class DataParallel:
         self._batch_sig: Any = None
         self._step: _Step | None = None
         self._export: Any = None
+        self._call = LossCall()
+        self._plain_loss: Callable[..., Any] = loss_fn
+        self._abstract: TrainState | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -121,6 +128,11 @@ class DataParallel:
         return self._plan
 
     @property
+    def loss_call(self) -> LossCall:
+        """Which keywords ``loss_fn`` gets (``model_state=``, ``rng=``), as ``init`` decided."""
+        return self._call
+
+    @property
     def layout(self) -> BucketLayout:
         """The :class:`BucketLayout` of the params (available after :meth:`init`)."""
         if self._plan is None:
@@ -129,6 +141,14 @@ class DataParallel:
                 "first (jax.eval_shape(dp.init, params) is enough)."
             )
         return self._plan.layout
+
+    @property
+    def abstract_state(self) -> TrainState:
+        """The ``jax.ShapeDtypeStruct`` of every :class:`TrainState` leaf ``init`` returns
+        (available after ``init``; ``model_state`` and ``rng`` included)."""
+        self.layout  # noqa: B018 - raises a clear error before init
+        assert self._abstract is not None
+        return self._abstract
 
     @property
     def state_shardings(self) -> TrainState:
@@ -141,21 +161,41 @@ class DataParallel:
 
     # ------------------------------------------------------------------ init
     def init(
-        self, params: Any, example_batch: Any = None, *, param_specs: Any = None
+        self,
+        params: Any,
+        *,
+        model_state: Any = None,
+        rng: Any = None,
+        example_batch: Any = None,
+        param_specs: Any = None,
     ) -> TrainState:
         """Build the plan and the sharded :class:`TrainState` from a full params pytree.
 
-        Works under ``jax.eval_shape`` (then nothing is allocated). ``example_batch`` (a global
-        batch like ``step``'s, arrays or ``jax.ShapeDtypeStruct``; only shapes are used) lets
-        ``zero_stage=3`` detect scanned layer stacks and gather them one layer per scan
-        iteration (``DDPConfig.scan_layers``); without it only ``scan_param_patterns`` apply.
-        On a multi-axis mesh each param keeps the ``NamedSharding`` it carries over the non-data
-        axes (tensor parallelism), or the ``PartitionSpec`` given for it in ``param_specs`` (a
-        pytree like ``params``; needed under ``jax.eval_shape`` the first time, as tracers
-        carry none).
+        Works under ``jax.eval_shape`` (then nothing is allocated).
+
+        Args:
+            params: the full trainable params (e.g. linen's ``variables["params"]``).
+            model_state: the model's non-trainable state (linen's ``batch_stats`` and other
+                mutable collections; nnx's ``BatchStat`` and other non-``Param`` state), or
+                ``None``. With one, ``loss_fn`` is called with ``model_state=<this rank's
+                state>`` and must return :class:`jaxdp.LossOutput` with the updated state; the
+                ranks' states are combined after every step (``DDPConfig.model_state_sync``).
+            rng: a typed PRNG key (``jax.random.key(seed)``), or ``None``. With one,
+                ``loss_fn`` is called with ``rng=<key>``: a fresh key for every step, rank and
+                micro-batch, ``fold_in(fold_in(rng, step), rank * G + microbatch)``.
+            example_batch: a global batch like ``step``'s (arrays or ``jax.ShapeDtypeStruct``;
+                only shapes are used): lets ``zero_stage=3`` detect scanned layer stacks and
+                gather them one layer per scan iteration (``DDPConfig.scan_layers``); without it
+                only ``scan_param_patterns`` apply.
+            param_specs: on a multi-axis mesh each param keeps the ``NamedSharding`` it carries
+                over the non-data axes (tensor parallelism), or the ``PartitionSpec`` given for
+                it here (a pytree like ``params``; needed under ``jax.eval_shape`` the first
+                time, as tracers carry none).
         """
+        model_state, rng, self._call = check_init_inputs(model_state, rng)
+        self._plain_loss = plain_loss(self.loss_fn, self._call, model_state)
         self._plan = build_plan(
-            self.loss_fn,
+            self._plain_loss,
             self.optimizer,
             self.config,
             self.group,
@@ -166,9 +206,18 @@ class DataParallel:
         )
         self._detected = example_batch is not None
         strategy = self._plan.strategy
-        abstract = jax.eval_shape(strategy.init_state, params)
-        self._shardings = strategy.state_shardings(abstract)
-        return jax.jit(strategy.init_state, out_shardings=self._shardings)(params)
+
+        def full(p: Any, ms: Any, key: Any) -> TrainState:
+            return strategy.init_state(p)._replace(model_state=ms, rng=key)
+
+        abstract = jax.eval_shape(full, params, model_state, rng)
+        replicated = self._sharding(P())
+        self._shardings = strategy.state_shardings(abstract)._replace(
+            model_state=jax.tree.map(lambda _: replicated, abstract.model_state),
+            rng=None if rng is None else replicated,
+        )
+        self._abstract = abstract
+        return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
 
     # ------------------------------------------------------------------ batches
     def shard_batch(self, batch: Any) -> Any:
@@ -264,8 +313,11 @@ class DataParallel:
         return self._step
 
     def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        strategy = self.plan.strategy
-        grads, metrics = strategy.local_step(self.loss_fn, state.params, batch)
+        strategy, call = self.plan.strategy, self._call
+        key = jax.random.fold_in(state.rng, state.step) if call.rng else None
+        grads, metrics, model_state = strategy.local_step(
+            self.loss_fn, state.params, batch, call, state.model_state, key
+        )
         new_target, opt_state = optimizer_update(
             self.optimizer,
             grads,
@@ -275,13 +327,19 @@ class DataParallel:
             self.config,
         )
         params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
-        new = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state)
+        new = TrainState(
+            step=state.step + 1,
+            params=params,
+            master=master,
+            opt_state=opt_state,
+            model_state=model_state,
+        )
         if self.config.check_for_nan_in_grad:
             # Skip the update when any rank saw a non-finite gradient: the caller gets the last
             # good state back even though the input was donated.
             good = ~jnp.any(metrics["nonfinite_ranks"] > 0)
-            new = jax.tree.map(lambda n, o: jnp.where(good, n, o), new, state)
-        return new, metrics
+            new = jax.tree.map(lambda n, o: jnp.where(good, n, o), new, state._replace(rng=None))
+        return new._replace(rng=state.rng), metrics
 
     # ------------------------------------------------------------------ export
     def params(self, state: TrainState) -> Any:
@@ -295,3 +353,15 @@ class DataParallel:
         if self._export is None:  # jit once: eval loops call this every few steps
             self._export = jax.jit(self.plan.strategy.export, out_shardings=self._sharding(P()))
         return self._export(state.master)
+
+    def model_state(self, state: TrainState) -> Any:
+        """The whole model state (as :meth:`params` for the params): the non-trainable state
+        given to ``init(params, model_state=...)`` as of ``state``'s step, for eval and export
+        (e.g. ``model.apply({"params": dp.params(state), **dp.model_state(state)}, x)``);
+        ``None`` when ``init`` got none. It is replicated, so this is ``state.model_state``."""
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"DataParallel.model_state: state is a {type(state).__name__}; expected the "
+                "jaxdp.TrainState returned by init / step."
+            )
+        return state.model_state

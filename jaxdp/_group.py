@@ -23,6 +23,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["BucketGroup", "ReductionGroup"]
@@ -76,6 +77,11 @@ class ReductionGroup:
     def size(self) -> int:
         """The dense data-parallel size (the number of ranks a batch is split over)."""
         return math.prod(int(self.mesh.shape[a]) for a in self.manual_axes)
+
+    def rank(self) -> Any:
+        """This rank's index in the group, in the batch's split order (inside the step's
+        ``shard_map``): rank ``r`` holds the ``r``-th slice of the global batch."""
+        return jax.lax.axis_index(self.axes)
 
     def batch_spec(self) -> P:
         """How a global batch is split: over the data axis, and the expert axis if any."""

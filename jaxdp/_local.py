@@ -13,94 +13,27 @@ gather the params inside the differentiated function) and the bucket operations 
 3. the kernel finishes the reduction (one collective per bucket, or the deferred division);
 4. the metrics: mean loss (or per-token loss), aux outputs, the global fp32 gradient norm and,
    with ``check_for_nan_in_grad``, the number of ranks that saw a non-finite gradient per
-   parameter.
+   parameter;
+5. the model state (``DataParallel.init(params, model_state=...)``): each micro-batch's
+   ``loss_fn`` gets the state the previous one returned, and the ranks' states are combined
+   at the end (:func:`sync_model_state`). Each micro-batch's PRNG key is folded from the
+   step's key and its global micro-batch position.
 
 Everything here is a pure function of static inputs (``loss_fn``, the kernel, the config).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._config import DDPConfig
+from ._loss import LossCall, warn_per_example_aux
 from ._reduce import metric_sum
 
-__all__ = ["local_gradients", "loss_parts"]
-
-
-def loss_parts(
-    loss_fn: Callable[..., Any], config: DDPConfig, params: Any, mb: Any
-) -> tuple[jax.Array, tuple[Any, Any]]:
-    """``loss_fn``'s output as ``(loss, (num_tokens, aux))``, validated.
-
-    ``num_tokens`` is the micro-batch's token count with ``calculate_per_token_loss`` (and a
-    zero otherwise); ``aux`` is the second output of a ``(loss, aux)`` loss, or ``None``.
-    """
-    out = loss_fn(params, mb)
-    if config.calculate_per_token_loss:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(
-                "DataParallel: with calculate_per_token_loss=True, loss_fn must return "
-                f"(loss_sum, num_tokens); got {type(out).__name__}."
-            )
-        loss_sum, ntok = out
-        fix = (
-            "return (loss_sum, num_tokens) for the micro-batch, both scalars: the sum of the "
-            "per-token losses (e.g. jnp.sum(token_loss * mask)) and the token count "
-            "(e.g. jnp.sum(mask))"
-        )
-        _check_scalar("loss_sum", loss_sum, mb, fix, floating=True)
-        _check_scalar("num_tokens", ntok, mb, fix, floating=False)
-        return loss_sum, (jnp.asarray(ntok, jnp.float32), None)
-    fix = "return the mean over the micro-batch, e.g. jnp.mean(per_example_loss)"
-    if isinstance(out, tuple):
-        if len(out) != 2:
-            raise ValueError(
-                f"DataParallel: loss_fn must return loss or (loss, aux); got a tuple of {len(out)}."
-            )
-        loss, aux = out
-        _check_scalar("loss (the first of (loss, aux))", loss, mb, fix, floating=True)
-        return loss, (jnp.zeros((), jnp.float32), aux)
-    _check_scalar("loss", out, mb, fix, floating=True)
-    return out, (jnp.zeros((), jnp.float32), None)
-
-
-def _check_scalar(what: str, x: Any, mb: Any, fix: str, *, floating: bool) -> None:
-    """Raise if ``loss_fn``'s output ``x`` is not a scalar (a floating one if ``floating``).
-
-    Runs while the step is traced, before XLA compiles anything (once per compilation, nothing
-    per step), on the shapes ``loss_fn`` really sees: JAX's "Gradient only defined for
-    scalar-output functions" and "grad requires real-valued outputs" become the output's name,
-    shape and dtype and the fix.
-    """
-    if isinstance(x, (bool, int, float)):
-        shape, dtype = (), np.result_type(type(x))
-    elif hasattr(x, "shape") and hasattr(x, "dtype"):
-        shape, dtype = tuple(x.shape), x.dtype
-    else:
-        raise TypeError(
-            f"DataParallel: loss_fn returned a {type(x).__name__} as its {what} for one "
-            f"micro-batch; expected a scalar array. Fix: {fix}."
-        )
-    not_float = floating and not jnp.issubdtype(dtype, jnp.floating)
-    if shape == () and not not_float:
-        return
-    leaves = jax.tree.leaves(mb)
-    size = leaves[0].shape[0] if leaves and leaves[0].ndim else "?"
-    expected = "a floating-point scalar (gradients need a real float output)"
-    if not not_float:
-        expected = "a scalar"
-    cast = ", in floating point (e.g. .astype(jnp.float32))" if not_float else ""
-    raise ValueError(
-        f"DataParallel: loss_fn returned a {what} of shape {shape} and dtype "
-        f"{getattr(dtype, 'name', dtype)} for one micro-batch of {size} examples (on each "
-        f"device); expected {expected}. Fix: {fix}{cast}."
-    )
+__all__ = ["local_gradients", "sync_model_state"]
 
 
 def local_gradients(
@@ -110,7 +43,10 @@ def local_gradients(
     kernel: Any,
     config: DDPConfig,
     group: Any,
-) -> tuple[Any, dict[str, Any]]:
+    call: LossCall = LossCall(),  # noqa: B008 - a frozen, hashable default
+    model_state: Any = None,
+    key: Any = None,
+) -> tuple[Any, dict[str, Any], Any]:
     """Per-device body of the step: reduced gradients and metrics (call inside ``shard_map``).
 
     Args:
@@ -121,40 +57,57 @@ def local_gradients(
             the user's loss (see :func:`loss_parts`).
         config: the :class:`DDPConfig`.
         group: the :class:`jaxdp._group.ReductionGroup` (metric sums run over its axes).
+        call: which keywords ``loss_fn`` gets (:class:`jaxdp._loss.LossCall`).
+        model_state: the model state at the start of the step (the same on every rank), or
+            ``None``; each micro-batch's ``loss_fn`` gets the state the previous one returned.
+        key: the step's PRNG key, or ``None``; micro-batch ``m`` of rank ``r`` gets
+            ``fold_in(key, r * G + m)``: its global micro-batch position.
 
     Returns:
-        ``(grads, metrics)``: the reduced fp32 gradients (params-shaped, or this rank's shard
-        view when ``kernel.sharded``) and the metrics dict (``loss``, ``grad_norm``,
-        optionally ``aux``, ``num_tokens``, ``nonfinite_ranks``).
+        ``(grads, metrics, model_state)``: the reduced fp32 gradients (params-shaped, or this
+        rank's shard view when ``kernel.sharded``), the metrics dict (``loss``,
+        ``grad_norm``, optionally ``aux``, ``num_tokens``, ``nonfinite_ranks``) and the
+        model state combined over the ranks (:func:`sync_model_state`; ``None`` without one).
     """
     cfg, axis = config, group.axes
     g, dp = cfg.num_microbatches, group.size
     mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
     mb0 = jax.tree.map(lambda x: x[0], mbs)
-    ctx = kernel.prepare(params, mb0)
+    first = g * group.rank() if call.rng else 0  # this rank's first global micro-batch
 
-    def micro(carry: Any, mb: Any) -> tuple[Any, None]:
-        acc, loss, ntok, ok, aux_sum = carry
-        (lval, (nt, aux)), acc, ok = kernel.micro(ctx, acc, ok, mb)
+    def bind(mb: Any, state: Any, m: Any) -> Any:
+        k = jax.random.fold_in(key, first + m) if call.rng else None
+        return call.bind(mb, state, k)
+
+    ctx = kernel.prepare(params, bind(mb0, model_state, 0))
+
+    def micro(carry: Any, xs: Any) -> tuple[Any, None]:
+        acc, loss, ntok, ok, aux_sum, state = carry
+        mb, m = xs
+        (lval, (nt, aux, state)), acc, ok = kernel.micro(ctx, acc, ok, bind(mb, state, m))
         if aux is not None:
             aux_sum = jax.tree.map(lambda s, a: s + jnp.asarray(a, jnp.float32), aux_sum, aux)
-        return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum), None
+        return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum, state), None
 
-    aux_shape = jax.eval_shape(lambda: kernel.forward(ctx, mb0)[1][1])  # forward only
+    aux_shape = jax.eval_shape(  # forward only
+        lambda: kernel.forward(ctx, bind(mb0, model_state, 0))[1][1]
+    )
+    warn_per_example_aux(aux_shape, mb0)
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
     ok0 = jnp.ones((len(kernel.layout.slots),), bool)
     zero = jnp.zeros((), jnp.float32)
     # The scan carry must be varying like the per-device gradients it accumulates.
     carry = jax.tree.map(
-        lambda v: jax.lax.pcast(v, axis, to="varying"), (kernel.acc0(), zero, zero, ok0, aux0)
+        lambda v: jax.lax.pcast(v, axis, to="varying"),
+        (kernel.acc0(), zero, zero, ok0, aux0, model_state),
     )
     if g > 1:
         head = jax.tree.map(lambda x: x[:-1], mbs)
-        carry, _ = jax.lax.scan(micro, carry, head)
+        carry, _ = jax.lax.scan(micro, carry, (head, jnp.arange(g - 1)))
     # The last micro-batch is peeled out of the scan: its backward and the bucket
     # collectives below are one straight-line region that XLA can overlap.
     last = kernel.order_last(jax.tree.map(lambda x: x[-1], mbs), carry[1])
-    (acc, loss, ntok, ok, aux_sum), _ = micro(carry, last)
+    (acc, loss, ntok, ok, aux_sum, state), _ = micro(carry, (last, g - 1))
 
     red = tuple(r.astype(jnp.float32) for r in kernel.finish(acc))
     metrics: dict[str, Any] = {}
@@ -171,4 +124,23 @@ def local_gradients(
     metrics["grad_norm"] = jnp.sqrt(kernel.square_norm(red))
     if cfg.check_for_nan_in_grad:
         metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)
-    return kernel.out(red), metrics
+    return kernel.out(red), metrics, sync_model_state(state, cfg, group)
+
+
+def sync_model_state(state: Any, config: DDPConfig, group: Any) -> Any:
+    """Combine the ranks' model states by ``config.model_state_sync`` (one all-reduce per
+    leaf): ``"mean"`` averages floating leaves (summed in fp32) and takes rank 0's integer
+    leaves; ``"broadcast"`` takes rank 0's everywhere."""
+    if state is None:
+        return None
+    axis, n = group.axes, group.size
+    lead = group.rank() == 0
+
+    def one(x: jax.Array) -> jax.Array:
+        if config.model_state_sync == "mean" and jnp.issubdtype(x.dtype, jnp.inexact):
+            return (jax.lax.psum(x.astype(jnp.float32), axis) / n).astype(x.dtype)
+        if x.dtype == jnp.bool_:
+            return jax.lax.psum(jnp.where(lead, x, False).astype(jnp.int32), axis) > 0
+        return jax.lax.psum(jnp.where(lead, x, jnp.zeros_like(x)), axis)
+
+    return jax.tree.map(one, state)

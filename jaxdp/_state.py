@@ -34,9 +34,19 @@ class TrainState(NamedTuple):
             sharded over the data axis).
         opt_state: the optax state of ``master`` (or of ``params`` when ``master`` is None),
             sharded like it.
+        model_state: the non-trainable state given to ``DataParallel.init(params,
+            model_state=...)`` (linen's ``batch_stats`` and other mutable collections, nnx's
+            ``BatchStat`` and other non-``Param`` state), replicated, as of the end of the last
+            step (combined over the ranks by ``DDPConfig.model_state_sync``); ``None`` when
+            ``init`` got none.
+        rng: the run's typed PRNG key given to ``init(params, rng=...)``, or ``None``. It does
+            not change: step ``s`` draws from ``fold_in(rng, s)``, so a restored state continues
+            the same key stream.
     """
 
     step: jax.Array
     params: Any
     master: Any
     opt_state: Any
+    model_state: Any = None
+    rng: Any = None

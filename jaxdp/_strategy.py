@@ -48,7 +48,8 @@ from ._codec import Codec
 from ._config import DDPConfig
 from ._group import ReductionGroup
 from ._layout import BucketLayout
-from ._local import local_gradients, loss_parts
+from ._local import local_gradients
+from ._loss import LossCall, loss_parts
 from ._sharding import ShardingPlan
 from ._state import TrainState
 from ._update import gather_params
@@ -141,25 +142,44 @@ class Strategy:
         return state.master if self.has_master else state.params
 
     # ------------------------------------------------------------------ step
-    def local_step(self, loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[Any, Any]:
-        """Reduced gradients (in ``master_codec``'s form) and metrics, in one ``shard_map``
-        manual over the group's axes (the other axes stay under the compiler)."""
+    def local_step(
+        self,
+        loss_fn: Callable[..., Any],
+        params: Any,
+        batch: Any,
+        call: LossCall = LossCall(),  # noqa: B008 - a frozen, hashable default
+        model_state: Any = None,
+        key: Any = None,
+    ) -> tuple[Any, Any, Any]:
+        """Reduced gradients (in ``master_codec``'s form), metrics and the synchronised model
+        state, in one ``shard_map`` manual over the group's axes (the other axes stay under
+        the compiler). ``call``, ``model_state`` and ``key``: see
+        :func:`jaxdp._local.local_gradients`."""
 
         def parts(p: Any, mb: Any) -> Any:
-            return loss_parts(loss_fn, self.config, p, mb)
+            return loss_parts(loss_fn, self.config, p, mb, call)
 
-        def body(p: Any, b: Any) -> Any:
+        def body(p: Any, b: Any, state: Any, k: Any) -> Any:
             kernel = self.make_kernel(parts, self.layout, self.config, self.ops)
-            return local_gradients(p, b, kernel=kernel, config=self.config, group=self.group)
+            return local_gradients(
+                p,
+                b,
+                kernel=kernel,
+                config=self.config,
+                group=self.group,
+                call=call,
+                model_state=state,
+                key=k,
+            )
 
         step = jax.shard_map(
             body,
             mesh=self.sharding.mesh,
-            in_specs=(self.params_codec.step_specs(), self.group.batch_spec()),
-            out_specs=(self.master_codec.step_specs(), P()),
+            in_specs=(self.params_codec.step_specs(), self.group.batch_spec(), P(), P()),
+            out_specs=(self.master_codec.step_specs(), P(), P()),
             axis_names=self.axis_names,
         )
-        return step(params, batch)
+        return step(params, batch, model_state, key)
 
     def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         """``(params, master)`` after the update (``params``: the step's input params;

@@ -119,7 +119,9 @@ def warn_if_undetected(engine: Any, batch: Any) -> None:
         layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
     )
     try:
-        found = find_stacks(engine.loss_fn, params, batch, cfg.replace(scan_param_patterns=()), 1)
+        found = find_stacks(
+            engine._plain_loss, params, batch, cfg.replace(scan_param_patterns=()), 1
+        )
     except Exception:  # detection is advice only; the step reports real errors itself
         return
     missing = [layout.slots[i].path for i in found if i not in dict(layout.stacked)]

@@ -13,6 +13,8 @@ import numpy as np
 import optax
 
 from jaxdp import DataParallel, DDPConfig, make_mesh
+from jaxdp.testing import bf16_ulp as bf16_ulp
+from jaxdp.testing import round_to_bf16 as round_to_bf16
 
 BF16 = ml_dtypes.bfloat16
 
@@ -36,42 +38,11 @@ ENGINE_MODES = {
 }
 
 
-def round_to_bf16(x64: np.ndarray) -> np.ndarray:
-    """Correctly rounded float64 -> bfloat16 (nearest, ties to even), no double rounding."""
-    x64 = np.asarray(x64, np.float64)
-    mag = np.abs(x64)
-    safe = np.where(mag > 0, mag, 1.0)
-    ulp = np.exp2(np.floor(np.log2(safe)) - 7)  # bf16 has 8 significant bits
-    k = np.floor(safe / ulp)
-    rem = safe / ulp - k
-    up = (rem > 0.5) | ((rem == 0.5) & (k % 2 == 1))
-    out = np.where(mag > 0, (k + up) * ulp, 0.0) * np.sign(x64)
-    return out.astype(np.float32).astype(BF16)
-
-
-def bf16_ulp(x: np.ndarray) -> np.ndarray:
-    mag = np.abs(np.asarray(x, np.float64))
-    return np.exp2(np.floor(np.log2(np.where(mag > 0, mag, 1.0))) - 7)
-
-
 def bf16_values(shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Gradients of mixed magnitudes (eight binades), exactly representable in bf16."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape) * np.exp2(rng.uniform(-4, 4, shape[1:]))
     return x.astype(np.float32).astype(BF16)
-
-
-def rounding_report(got: np.ndarray, per_example: np.ndarray) -> tuple[float, float]:
-    """(fraction of elements equal to the correctly rounded mean, max error in bf16 ulps).
-
-    ``per_example`` is ``[n_examples, ...]``: the reference is their float64 mean.
-    """
-    mean = per_example.astype(np.float64).mean(0)
-    want = round_to_bf16(mean).astype(np.float64)
-    got = np.asarray(got, np.float64)
-    exact = float(np.mean(got == want))
-    ulps = float(np.max(np.abs(got - mean) / bf16_ulp(mean)))
-    return exact, ulps
 
 
 def engine_reduced_gradient(mode: str, dp: int, g: int, n: int, devices=None) -> tuple:

@@ -9,6 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxdp import DDPConfig
+from jaxdp.testing import Reference
+
 
 def mlp_params(seed: int = 0, sizes=(6, 16, 16, 4)):
     rng = np.random.default_rng(seed)
@@ -45,24 +48,16 @@ def make_batch(n: int, seed: int = 1, sizes=(6, 16, 16, 4)):
 
 
 def reference_train(loss_fn, optimizer, params, batches, param_dtype=None, clip=None):
-    """Plain single-device training: jax.grad of the global-batch mean loss + optax."""
-    master = params
-    state = optimizer.init(master)
-    norms = []
+    """Plain single-device training: the gradient of the global-batch mean loss + optax
+    (``jaxdp.testing.Reference`` with one rank and one micro-batch). Returns the fp32 master
+    weights and each step's gradient norm."""
+    cfg = DDPConfig(param_dtype=param_dtype, clip_grad=clip)
+    ref = Reference(loss_fn, optimizer, cfg, dp=1)
+    state, norms = ref.init(params), []
     for batch in batches:
-        work = (
-            master if param_dtype is None else jax.tree.map(lambda p: p.astype(param_dtype), master)
-        )
-        grads = jax.grad(loss_fn)(work, batch)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        norm = optax.tree.norm(grads)
-        norms.append(float(norm))
-        if clip is not None:
-            coef = jnp.minimum(1.0, clip / (norm + 1e-6))
-            grads = jax.tree.map(lambda g, c=coef: g * c, grads)
-        updates, state = optimizer.update(grads, state, master)
-        master = optax.apply_updates(master, updates)
-    return master, norms
+        state, metrics = ref.step(state, batch)
+        norms.append(float(metrics["grad_norm"]))
+    return state.master, norms
 
 
 def train_steps(dp, state, batches):

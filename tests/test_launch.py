@@ -2,7 +2,8 @@
 included), SIGTERM -> a checkpoint at one agreed step -> an exact --resume, dead processes,
 an unreachable coordinator, and SLURM's environment.
 
-2 processes x 4 devices log bit-identical losses to 1 process x 8 (deterministic_reduction).
+2 processes x 4 devices log bit-identical losses to 1 process x 8 (deterministic_reduction),
+with dropout on.
 Every subprocess has a timeout and every test kills what it started. The runs share a
 persistent compilation cache (process 0 and one-process runs hit it after the first run).
 """
@@ -23,7 +24,8 @@ from jaxdp.launch import stop_processes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200  # a SIGTERM after the first steps lands mid-run (checks are ~0.25 s apart)
 TINY = {
-    "model": {"layers": 1, "width": 32, "heads": 2, "context": 16},
+    # dropout on: the per-step keys are the same at any process count and continue on --resume
+    "model": {"layers": 1, "width": 32, "heads": 2, "context": 16, "dropout": 0.1},
     "train": {
         "steps": STEPS,
         "global_batch": 16,

@@ -85,7 +85,7 @@ def test_strategy_contract(cls, cfg, model):
     rebuilt, _ = jax.jit(s.rebuild)(s.target(state), state.params, jnp.zeros(()))
     _equal(rebuilt, state.params)
     # The gradients the step hands the optimizer have the master weights' form.
-    grads, metrics = jax.jit(lambda p, b: s.local_step(dp.loss_fn, p, b))(
+    grads, metrics, _ = jax.jit(lambda p, b: s.local_step(dp.loss_fn, p, b))(
         state.params, dp.shard_batch(batch)
     )
     target = s.target(state)

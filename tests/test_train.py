@@ -59,7 +59,7 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
         assert os.path.exists(os.path.join(straight, f)), f
     with open(os.path.join(straight, "config.yaml")) as f:
         saved = yaml.safe_load(f)
-    assert saved["model"] == {**TINY["model"], "vocab": 256}
+    assert saved["model"] == {**TINY["model"], "vocab": 256, "dropout": 0.0}
     assert saved["ddp"]["num_microbatches"] == 1  # resolved config, not the input
     assert "summary" in capsys.readouterr().out
 
@@ -95,6 +95,23 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
     assert sorted(os.listdir(os.path.join(stopped, "checkpoints"))) == ["2", "3"]
     assert main(["--out", stopped, "--resume"]) == 0
     assert [r["loss"] for r in _losses(stopped)] == [r["loss"] for r in recs]
+
+
+def test_dropout_key_stream_resumes_exactly(tmp_path):
+    """With dropout the engine draws a key per step from one run key kept in the checkpoint:
+    half the steps and --resume give the straight run's losses bit for bit."""
+    cfg = {**TINY, "model": {**TINY["model"], "dropout": 0.2}}
+    path = tmp_path / "drop.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    straight, resumed, plain = (str(tmp_path / d) for d in ("a", "b", "c"))
+    assert main(["--config", str(path), "--out", straight]) == 0
+    assert main(["--config", str(path), "--out", resumed, "--steps", "2"]) == 0
+    assert main(["--out", resumed, "--resume", "--steps", "4"]) == 0
+    want = [r["loss"] for r in _losses(straight)]
+    assert [r["loss"] for r in _losses(resumed)] == want
+    path.write_text(yaml.safe_dump(TINY))
+    assert main(["--config", str(path), "--out", plain, "--steps", "2"]) == 0
+    assert [r["loss"] for r in _losses(plain)][1] != want[1]  # dropout is on
 
 
 def test_signal_before_the_first_step(tmp_path, tiny, capsys, monkeypatch):

@@ -28,6 +28,8 @@ class GPTConfig:
         heads: attention heads.
         context: longest sequence, in bytes.
         vocab: vocabulary size (256 for bytes).
+        dropout: residual dropout rate (after the embedding, each attention and each MLP) in
+            training (``next_byte_loss(..., rng=key)``); 0 (default) turns it off.
 
     Example:
         >>> GPTConfig(layers=2, width=64, heads=2, context=32).width // 2
@@ -39,9 +41,18 @@ class GPTConfig:
     heads: int = 4
     context: int = 128
     vocab: int = 256
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < 1:
+            raise ValueError(
+                f"GPTConfig: dropout={d!r}; expected a float in [0, 1). Fix: e.g. dropout=0.1, "
+                "or 0 for none."
+            )
         for f in dataclasses.fields(self):
+            if f.name == "dropout":
+                continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(
@@ -60,23 +71,26 @@ class _Block(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         cfg = self.cfg
         t = x.shape[1]
+        drop = nn.Dropout(cfg.dropout, deterministic=not train or cfg.dropout == 0)
         h = nn.LayerNorm(name="ln_attn")(x)
         mask = nn.make_causal_mask(jnp.ones((1, t), bool))
         h = nn.MultiHeadDotProductAttention(
             num_heads=cfg.heads, qkv_features=cfg.width, name="attn"
         )(h, h, mask=mask)
-        x = x + h
+        x = x + drop(h)
         h = nn.LayerNorm(name="ln_mlp")(x)
         h = nn.Dense(4 * cfg.width, name="fc")(h)
         h = nn.Dense(cfg.width, name="proj")(nn.gelu(h))
-        return x + h
+        return x + drop(h)
 
 
 class GPT(nn.Module):
     """``GPT(cfg)(tokens[int32, (batch, time)]) -> logits[(batch, time, vocab)]``.
+
+    ``train=True`` turns on ``cfg.dropout`` (needs a ``"dropout"`` PRNG stream).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -89,21 +103,27 @@ class GPT(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
         cfg = self.cfg
         t = tokens.shape[1]
         x = nn.Embed(cfg.vocab, cfg.width, name="embed")(tokens)
         pos = self.param("pos", nn.initializers.normal(0.02), (cfg.context, cfg.width))
         x = x + pos[:t].astype(x.dtype)
+        x = nn.Dropout(cfg.dropout, deterministic=not train or cfg.dropout == 0)(x)
         for i in range(cfg.layers):
-            x = _Block(cfg, name=f"block_{i}")(x)
+            x = _Block(cfg, name=f"block_{i}")(x, train)
         x = nn.LayerNorm(name="ln_f")(x)
         # A small head init starts the loss at ln(256), the uniform guess.
         return nn.Dense(cfg.vocab, kernel_init=nn.initializers.normal(0.02), name="head")(x)
 
 
-def next_byte_loss(model: GPT, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+def next_byte_loss(
+    model: GPT, params: Any, batch: dict[str, jax.Array], rng: jax.Array | None = None
+) -> jax.Array:
     """Mean next-byte cross-entropy (nats) of ``batch["tokens"]`` (``(batch, context + 1)``).
+
+    With ``rng`` the model runs in training mode (``cfg.dropout`` drawn from ``rng``); without
+    it, deterministically (evaluation).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -114,7 +134,10 @@ def next_byte_loss(model: GPT, params: Any, batch: dict[str, jax.Array]) -> jax.
         True
     """
     tokens = batch["tokens"]
-    logits: Any = model.apply({"params": params}, tokens[:, :-1])
+    if rng is None:
+        logits: Any = model.apply({"params": params}, tokens[:, :-1])
+    else:
+        logits = model.apply({"params": params}, tokens[:, :-1], True, rngs={"dropout": rng})
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
     return jnp.mean(ce)
 

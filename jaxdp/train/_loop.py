@@ -82,17 +82,27 @@ class Trainer:
         self.params0 = jax.tree.map(np.asarray, jax.jit(self.model.init)(key, dummy)["params"])
         model = self.model
 
-        def loss_fn(params: Any, batch: Any) -> jax.Array:
+        def loss_fn(params: Any, batch: Any) -> jax.Array:  # also the (dropout-free) eval loss
             return next_byte_loss(model, params, batch)
 
+        def train_loss(params: Any, batch: Any, *, rng: jax.Array) -> jax.Array:
+            return next_byte_loss(model, params, batch, rng=rng)
+
         self.loss_fn = loss_fn
+        # With dropout the engine hands the loss a fresh key per step, rank and micro-batch,
+        # folded from one run key: the stream is the same at any process count and the
+        # checkpoint keeps it, so --resume continues it.
+        self.rng = jax.random.fold_in(key, 1) if cfg.model.dropout > 0 else None
         self.engine = DataParallel(
-            loss_fn, make_optimizer(cfg, self.params0), self.ddp, mesh=self.mesh
+            train_loss if self.rng is not None else loss_fn,
+            make_optimizer(cfg, self.params0),
+            self.ddp,
+            mesh=self.mesh,
         )
         ckpt_dir = os.path.abspath(os.path.join(args.out, "checkpoints"))
         self.resume_step: int | None = None
         if args.resume:
-            jax.eval_shape(self.engine.init, self.params0)
+            jax.eval_shape(lambda p, k: self.engine.init(p, rng=k), self.params0, self.rng)
             self.ckpt = CheckpointManager(ckpt_dir, self.engine)
             self.resume_step = self.ckpt.latest_step()
             if self.resume_step is None:
@@ -107,7 +117,7 @@ class Trainer:
             if args.overwrite and self.lead:
                 clear_run(args.out)
             self._barrier("out-cleared")
-            self.state = self.engine.init(self.params0)
+            self.state = self.engine.init(self.params0, rng=self.rng)
             self.ckpt = CheckpointManager(ckpt_dir, self.engine)
         p, n = jax.process_index(), jax.process_count()
         per = t.global_batch // n
