@@ -214,7 +214,7 @@ def warn_per_example_aux(aux: Any, mb: Any) -> None:
     ]
     if paths:
         warnings.warn(
-            f"DataParallel: aux leaves {paths} lead with the micro-batch size {n}; "
+            f"DataParallel: aux leaves {', '.join(paths)} lead with the micro-batch size {n}; "
             "metrics['aux'] is the elementwise mean over ranks and micro-batches, which mixes "
             "different examples' values. Fix: reduce them in loss_fn (e.g. jnp.mean(acc)), or "
             "keep them if an elementwise mean is what you want.",

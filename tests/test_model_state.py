@@ -86,7 +86,7 @@ def batches(n, steps, seed=0):
     ]
 
 
-def run_both(setup, cfg, mesh=None, steps=3, sync=False, key=1):
+def run_both(setup, cfg, mesh=None, steps=2, sync=False, key=1):
     loss_fn, params, ms = setup(sync)
     dp = DataParallel(loss_fn, optax.adam(1e-2), cfg, mesh=mesh)
     ref = Reference(loss_fn, optax.adam(1e-2), cfg, dp=dp.dp)
@@ -103,8 +103,9 @@ def run_both(setup, cfg, mesh=None, steps=3, sync=False, key=1):
 
 @pytest.mark.parametrize("g", [1, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("sync", [False, True], ids=["bn-per-rank", "bn-sync"])
-def test_linen_cnn_matches_reference(stage, g, sync):
+def test_linen_cnn_matches_reference(stage, g):
+    # every stage runs BatchNorm per rank at one G and synchronised at the other
+    sync = (stage % 2 == 0) != (g == 4)
     cfg = DDPConfig(zero_stage=stage, num_microbatches=g)
     dp, state, ref, ref_state = run_both(linen_setup, cfg, sync=sync)
     assert_matches_reference(dp, state, ref, ref_state)
@@ -116,7 +117,7 @@ def test_linen_cnn_matches_reference(stage, g, sync):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_nnx_cnn_matches_reference(stage, g):
     cfg = DDPConfig(zero_stage=stage, num_microbatches=g)
-    dp, state, ref, ref_state = run_both(nnx_setup, cfg, sync=stage % 2 == 1)
+    dp, state, ref, ref_state = run_both(nnx_setup, cfg, sync=(stage % 2 == 1) != (g == 4))
     assert_matches_reference(dp, state, ref, ref_state)
 
 
@@ -259,7 +260,7 @@ def test_contract_errors_and_the_aux_warning():
 
     dp = DataParallel(per_example_aux, optax.sgd(0.1), DDPConfig())
     state = dp.init(params)
-    with pytest.warns(UserWarning, match=r"aux leaves \['\[.x0.\]'\] lead with the micro-batch"):
+    with pytest.warns(UserWarning, match=r"aux leaves \['x0'\] lead with the micro-batch"):
         state, m = dp.step(state, dp.shard_batch(b))
     assert m["aux"]["ok"].shape == (3,)
 
