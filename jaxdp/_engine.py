@@ -262,7 +262,8 @@ class DataParallel:
                         f"dtype {dt}); expected one key per example along the batch's leading "
                         "axis (a scalar has no batch axis to split over the devices). Fix: "
                         f"split it, e.g. jax.random.split(key, {size}), and jax.vmap over the keys "
-                        "in loss_fn."
+                        "in loss_fn. (For dropout, init(params, rng=key) hands loss_fn a fresh "
+                        "key every step instead: loss_fn(params, batch, *, rng).)"
                     )
             raise ValueError(
                 "DataParallel.step: every batch leaf must share one leading (batch) axis; got "

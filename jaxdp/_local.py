@@ -89,8 +89,10 @@ def local_gradients(
             aux_sum = jax.tree.map(lambda s, a: s + jnp.asarray(a, jnp.float32), aux_sum, aux)
         return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum, state), None
 
-    aux_shape = jax.eval_shape(  # forward only
-        lambda: kernel.forward(ctx, bind(mb0, model_state, 0))[1][1]
+    # Forward only, for the aux shapes. The state is an argument, not a closure: flax nnx
+    # refuses to update Variables that were made in an outer trace.
+    aux_shape = jax.eval_shape(
+        lambda state: kernel.forward(ctx, bind(mb0, state, 0))[1][1], model_state
     )
     warn_per_example_aux(aux_shape, mb0)
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)

@@ -90,7 +90,9 @@ class LossCall:
         batch, model_state, key = mb
         kw: dict[str, Any] = {}
         if self.model_state:
-            kw["model_state"] = model_state
+            # A fresh tree, made in the caller's trace: flax nnx refuses to update Variables
+            # made in an outer one (the step's scan or shard_map, outside value_and_grad).
+            kw["model_state"] = jax.tree.map(lambda x: x, model_state)
         if self.rng:
             kw["rng"] = key
         return batch, kw
@@ -283,6 +285,19 @@ def check_init_inputs(model_state: Any, rng: Any) -> tuple[Any, Any, LossCall]:
                 f"DataParallel.init: model_state leaf {bad[0][0]} is a {bad[0][1]}; expected a "
                 "pytree of arrays (e.g. linen's variables['batch_stats'], or the state of "
                 "nnx.split(model, nnx.Param, ...)). Fix: pass only the array collections."
+            )
+        keys = [
+            jax.tree_util.keystr(kp)
+            for kp, x in jax.tree_util.tree_flatten_with_path(model_state)[0]
+            if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
+        ]
+        if keys:
+            raise TypeError(
+                f"DataParallel.init: model_state leaf {keys[0]} is a PRNG key; the model state "
+                "is averaged or broadcast over the ranks every step, which keys are not. Fix: "
+                "pass rng=jax.random.key(seed) to init and use the key loss_fn gets (nnx: "
+                "build Dropout without rngs and call it with rngs=rng, or split nnx.RngState "
+                "out of the state: nnx.split(model, nnx.Param, nnx.RngState, ...))."
             )
         model_state = jax.tree.map(jnp.asarray, model_state)
     return model_state, rng, LossCall(model_state is not None, rng is not None)

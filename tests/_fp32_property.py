@@ -13,8 +13,6 @@ import numpy as np
 import optax
 
 from jaxdp import DataParallel, DDPConfig, make_mesh
-from jaxdp.testing import bf16_ulp as bf16_ulp
-from jaxdp.testing import round_to_bf16 as round_to_bf16
 
 BF16 = ml_dtypes.bfloat16
 

@@ -18,15 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _fp32_property import (
-    BF16,
-    ENGINE_MODES,
-    bf16_values,
-    engine_reduced_gradient,
-    rounding_report,
-)
+from _fp32_property import BF16, ENGINE_MODES, bf16_values, engine_reduced_gradient
 
 from jaxdp import BucketLayout, DDPConfig, reduce_gradients
+from jaxdp.testing import bf16_rounding_report as rounding_report
 
 DPS = [2, 3, 4, 5, 6, 8, 12, 16, 24, 48, 64]
 MIN_EXACT = 0.999

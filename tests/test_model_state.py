@@ -67,7 +67,7 @@ def nnx_setup(sync=False):
     graphdef, params, stats = nnx.split(NnxCNN(sync, nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
 
     def loss_fn(p, b, *, model_state, rng):
-        m = nnx.merge(graphdef, p, model_state, copy=True)
+        m = nnx.merge(graphdef, p, model_state)
         logits = m(b["x"], rng)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
         return LossOutput(ce, model_state=nnx.state(m, nnx.BatchStat))

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from _fp32_property import round_to_bf16
 from jax.sharding import PartitionSpec as P
 
 from jaxdp import (
@@ -17,6 +16,7 @@ from jaxdp import (
     reduce_gradients,
     ring_reduce_scatter,
 )
+from jaxdp.testing import round_to_bf16
 
 BF16 = ml_dtypes.bfloat16
 

@@ -145,8 +145,8 @@ class Reference:
 
         grad_fn = jax.value_and_grad(parts, has_aux=True)
 
-        def rank(r: Any, rb: Any) -> Any:
-            state, total, loss, ntok, aux_sum = ms, None, 0.0, 0.0, None
+        def rank(r: Any, rb: Any, state: Any) -> Any:
+            total, loss, ntok, aux_sum = None, 0.0, 0.0, None
             for m in range(g):  # in order, as the engine's micro-batch loop
                 mb = jax.tree.map(lambda x, m=m: x[m], rb)
                 k = None if key is None else jax.random.fold_in(key, r * g + m)
@@ -160,7 +160,10 @@ class Reference:
                 state = new if call.model_state else state
             return total, loss, ntok, aux_sum, state
 
-        per_rank = jax.vmap(rank, axis_name=cfg.data_axis)(jnp.arange(dp), ranks)
+        # the state is an argument (not a closure) so that nnx Variables are made in here
+        per_rank = jax.vmap(rank, in_axes=(0, 0, None), axis_name=cfg.data_axis)(
+            jnp.arange(dp), ranks, ms
+        )
         total, loss, ntok, aux_sum, states = per_rank
         grads = jax.tree.map(lambda x: jnp.sum(x, 0), total)
         metrics: dict[str, Any] = {}

@@ -16,7 +16,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from _fp32_property import ENGINE_MODES, engine_reduced_gradient, rounding_report  # noqa: E402
+from _fp32_property import ENGINE_MODES, engine_reduced_gradient  # noqa: E402
+
+from jaxdp.testing import bf16_rounding_report as rounding_report  # noqa: E402
 
 results = {}
 for dp in (int(d) for d in dps.split(",")):
