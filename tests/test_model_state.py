@@ -244,6 +244,8 @@ def test_contract_errors_and_the_aux_warning():
     dp = DataParallel(loss_fn, optax.sgd(0.1), DDPConfig())
     with pytest.raises(TypeError, match=r"rng=jax\.random\.key"):
         dp.init(params, model_state=ms, rng=3)
+    with pytest.raises(TypeError, match=r"model_state leaf \['key'\] is a PRNG key"):
+        dp.init(params, model_state={**ms, "key": jax.random.key(0)})
     with pytest.raises(ValueError, match="model_state_sync"):
         DDPConfig(model_state_sync="max")
 
