@@ -59,9 +59,10 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
         assert os.path.exists(os.path.join(straight, f)), f
     with open(os.path.join(straight, "config.yaml")) as f:
         saved = yaml.safe_load(f)
-    assert saved["model"] == {**TINY["model"], "vocab": 256, "dropout": 0.0}
+    assert saved["model"] == {**TINY["model"], "vocab": 256, "dropout": 0.0, "scan": False}
     assert saved["ddp"]["num_microbatches"] == 1  # resolved config, not the input
-    assert "summary" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "summary" in out and "MFU (dense bf16 peak)" in out  # "-" on CPUs (no peak)
 
     # Half the steps, then --resume to the end: the same losses, bit for bit.
     assert main(["--config", tiny, "--out", resumed, "--steps", "2"]) == 0
@@ -97,10 +98,29 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
     assert [r["loss"] for r in _losses(stopped)] == [r["loss"] for r in recs]
 
 
+def test_gpu_config_is_a_300m_scanned_gpt():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxdp.models import GPT
+    from jaxdp.train._mfu import train_flops_per_token
+
+    cfg = load_run_config(os.path.join(ROOT, "configs", "gpt_300m_gpu.yaml"))
+    assert cfg.model.scan and cfg.ddp.param_dtype == "bfloat16"
+    tokens = jax.ShapeDtypeStruct((1, cfg.model.context), jnp.int32)
+    params = jax.eval_shape(GPT(cfg.model).init, jax.random.key(0), tokens)["params"]
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert 300e6 < n < 310e6, n
+    assert params["blocks"]["fc"]["kernel"].shape == (24, 1024, 4096)  # stacked by nn.scan
+    assert train_flops_per_token(cfg.model, n) > 6 * n
+
+
 def test_dropout_key_stream_resumes_exactly(tmp_path):
     """With dropout the engine draws a key per step from one run key kept in the checkpoint:
     half the steps and --resume give the straight run's losses bit for bit."""
-    cfg = {**TINY, "model": {**TINY["model"], "dropout": 0.2}}
+    # the blocks in one nn.scan (GPTConfig.scan), dropout keys split per layer
+    cfg = {**TINY, "model": {**TINY["model"], "layers": 2, "scan": True, "dropout": 0.2}}
     path = tmp_path / "drop.yaml"
     path.write_text(yaml.safe_dump(cfg))
     straight, resumed, plain = (str(tmp_path / d) for d in ("a", "b", "c"))
@@ -109,7 +129,7 @@ def test_dropout_key_stream_resumes_exactly(tmp_path):
     assert main(["--out", resumed, "--resume", "--steps", "4"]) == 0
     want = [r["loss"] for r in _losses(straight)]
     assert [r["loss"] for r in _losses(resumed)] == want
-    path.write_text(yaml.safe_dump(TINY))
+    path.write_text(yaml.safe_dump({**cfg, "model": {**cfg["model"], "dropout": 0.0}}))
     assert main(["--config", str(path), "--out", plain, "--steps", "2"]) == 0
     assert [r["loss"] for r in _losses(plain)][1] != want[1]  # dropout is on
 

@@ -30,6 +30,9 @@ class GPTConfig:
         vocab: vocabulary size (256 for bytes).
         dropout: residual dropout rate (after the embedding, each attention and each MLP) in
             training (``next_byte_loss(..., rng=key)``); 0 (default) turns it off.
+        scan: run the blocks as one ``nn.scan`` over params stacked ``[layers, ...]``
+            (``params["blocks"]``): the block is traced and compiled once, whatever the depth,
+            and ZeRO-3 gathers one layer per scan iteration.
 
     Example:
         >>> GPTConfig(layers=2, width=64, heads=2, context=32).width // 2
@@ -42,6 +45,7 @@ class GPTConfig:
     context: int = 128
     vocab: int = 256
     dropout: float = 0.0
+    scan: bool = False
 
     def __post_init__(self) -> None:
         d = self.dropout
@@ -50,8 +54,10 @@ class GPTConfig:
                 f"GPTConfig: dropout={d!r}; expected a float in [0, 1). Fix: e.g. dropout=0.1, "
                 "or 0 for none."
             )
+        if not isinstance(self.scan, bool):
+            raise ValueError(f"GPTConfig: scan={self.scan!r}; expected True or False.")
         for f in dataclasses.fields(self):
-            if f.name == "dropout":
+            if f.name in ("dropout", "scan"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -67,24 +73,43 @@ class GPTConfig:
             )
 
 
-class _Block(nn.Module):
+class _Attention(nn.Module):
+    """Causal self-attention through ``jax.nn.dot_product_attention``: cuDNN's fused (flash)
+    attention on GPUs for bf16/fp16 inputs, XLA's elsewhere."""
+
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        t = x.shape[1]
-        drop = nn.Dropout(cfg.dropout, deterministic=not train or cfg.dropout == 0)
-        h = nn.LayerNorm(name="ln_attn")(x)
-        mask = nn.make_causal_mask(jnp.ones((1, t), bool))
-        h = nn.MultiHeadDotProductAttention(
-            num_heads=cfg.heads, qkv_features=cfg.width, name="attn"
-        )(h, h, mask=mask)
+        qkv = nn.DenseGeneral((3, cfg.heads, cfg.width // cfg.heads), name="qkv")(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [batch, time, heads, head dim]
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return nn.DenseGeneral(cfg.width, axis=(-2, -1), name="out")(y)
+
+
+class _Block(nn.Module):
+    cfg: GPTConfig
+    train: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        drop = nn.Dropout(cfg.dropout, deterministic=not self.train or cfg.dropout == 0)
+        h = _Attention(cfg, name="attn")(nn.LayerNorm(name="ln_attn")(x))
         x = x + drop(h)
         h = nn.LayerNorm(name="ln_mlp")(x)
         h = nn.Dense(4 * cfg.width, name="fc")(h)
         h = nn.Dense(cfg.width, name="proj")(nn.gelu(h))
         return x + drop(h)
+
+
+class _ScanBlock(_Block):
+    """``_Block`` with ``nn.scan``'s ``(carry, out)`` signature."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:  # type: ignore[override]
+        return _Block.__call__(self, x), None
 
 
 class GPT(nn.Module):
@@ -110,8 +135,17 @@ class GPT(nn.Module):
         pos = self.param("pos", nn.initializers.normal(0.02), (cfg.context, cfg.width))
         x = x + pos[:t].astype(x.dtype)
         x = nn.Dropout(cfg.dropout, deterministic=not train or cfg.dropout == 0)(x)
-        for i in range(cfg.layers):
-            x = _Block(cfg, name=f"block_{i}")(x, train)
+        if cfg.scan:  # one block traced once, its params stacked [layers, ...]
+            stack = nn.scan(
+                _ScanBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=cfg.layers,
+            )
+            x, _ = stack(cfg, train, name="blocks")(x, None)
+        else:
+            for i in range(cfg.layers):
+                x = _Block(cfg, train, name=f"block_{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         # A small head init starts the loss at ln(256), the uniform guess.
         return nn.Dense(cfg.vocab, kernel_init=nn.initializers.normal(0.02), name="head")(x)

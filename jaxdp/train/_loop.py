@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -22,6 +23,7 @@ from .._engine import DataParallel
 from .._mesh import make_mesh
 from ..models.gpt import GPT, generate, next_byte_loss
 from ._data import batch_rows, load_corpus
+from ._mfu import mfu, train_flops_per_token
 from ._options import RunConfig
 from ._report import MetricsLog, plot_loss, print_summary
 from ._rundir import UsageError, clear_run
@@ -99,10 +101,15 @@ class Trainer:
             self.ddp,
             mesh=self.mesh,
         )
+        # shapes only: lets ZeRO-3 find the scanned block stack (GPTConfig.scan) and gather it
+        # one layer per scan iteration
+        shape = (t.global_batch, cfg.model.context + 1)
+        example = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}
+        init = functools.partial(self.engine.init, example_batch=example)
         ckpt_dir = os.path.abspath(os.path.join(args.out, "checkpoints"))
         self.resume_step: int | None = None
         if args.resume:
-            jax.eval_shape(lambda p, k: self.engine.init(p, rng=k), self.params0, self.rng)
+            jax.eval_shape(lambda p, k: init(p, rng=k), self.params0, self.rng)
             self.ckpt = CheckpointManager(ckpt_dir, self.engine)
             self.resume_step = self.ckpt.latest_step()
             if self.resume_step is None:
@@ -117,7 +124,7 @@ class Trainer:
             if args.overwrite and self.lead:
                 clear_run(args.out)
             self._barrier("out-cleared")
-            self.state = self.engine.init(self.params0, rng=self.rng)
+            self.state = init(self.params0, rng=self.rng)
             self.ckpt = CheckpointManager(ckpt_dir, self.engine)
         p, n = jax.process_index(), jax.process_count()
         per = t.global_batch // n
@@ -170,6 +177,8 @@ class Trainer:
         )
         eval_fn = jax.jit(self.loss_fn)
         tokens_per_step = t.global_batch * cfg.model.context
+        flops_per_token = train_flops_per_token(cfg.model, n_params)
+        kind = jax.devices()[0].device_kind
         t_wall = time.perf_counter()
         compile_s = 0.0
         steady_time, steady_steps = 0.0, 0
@@ -219,6 +228,9 @@ class Trainer:
                         "grad_norm": float(metrics["grad_norm"]),
                         "tokens_per_s": tokens_per_step / step_time,
                     }
+                    util = mfu(rec["tokens_per_s"], flops_per_token, dp, kind)
+                    if util is not None and step > start + 1:  # not the compiling step
+                        rec["mfu"] = util
                     losses.append(loss)
                     if do_eval:
                         val = self.val_loss(eval_fn)
@@ -293,6 +305,9 @@ class Trainer:
             "val_loss": val,
             "unigram_entropy": self.corpus.unigram_entropy(),
             "tokens_per_s": tokens_per_step / step_time if step_time else 0.0,
+            "mfu": mfu(
+                tokens_per_step / step_time if step_time else 0.0, flops_per_token, dp, kind
+            ),
             "step_time_s": step_time,
             "compile_s": compile_s,
             "wall_s": wall,

@@ -86,6 +86,10 @@ def summary_table(info: dict[str, Any]) -> Table:
         ("validation loss", "-" if info["val_loss"] is None else f"{info['val_loss']:.3f}"),
         ("unigram entropy of the bytes", f"{info['unigram_entropy']:.3f} nats"),
         ("tokens/s (after compile)", f"{info['tokens_per_s']:,.0f}"),
+        (
+            "MFU (dense bf16 peak)",
+            "- (peak unknown for this device)" if info.get("mfu") is None else f"{info['mfu']:.1%}",
+        ),
         ("step time", f"{1000 * info['step_time_s']:.0f} ms"),
         ("first step (compile)", f"{info['compile_s']:.1f} s"),
         ("wall time", f"{info['wall_s']:.1f} s"),
