@@ -54,6 +54,8 @@ BAD_VALUES = [
     ("scan_param_patterns", (("(", 0),), ValueError, "valid regular expressions"),
     ("remat_policy", "minimal", ValueError, "one of ('gemm', 'dots', 'everything', 'nothing')"),
     ("remat_policy", None, TypeError, "one of ('gemm', 'dots', 'everything', 'nothing')"),
+    ("model_state_sync", "sum", ValueError, "one of ('mean', 'broadcast')"),
+    ("model_state_sync", 1, TypeError, "one of ('mean', 'broadcast')"),
 ]
 
 

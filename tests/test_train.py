@@ -203,7 +203,7 @@ def test_existing_run_other_model_and_resume_errors(tmp_path, tiny, capsys):
     err = _error(capsys, ["--config", tiny, "--out", out])
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
     err = _error(capsys, ["--out", out, "--resume", "--set", "model.width=64", "--steps", "3"])
-    assert "['block_0']['attn']['key']['bias'] has shape (2, 16)" in err and "(2, 32)" in err
+    assert "['block_0']['attn']['out']['bias'] has shape (32,)" in err and "(64,)" in err
     assert "contradict" in _error(capsys, ["--out", out, "--resume", "--overwrite"])
     after = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
     assert before == after  # nothing overwritten
