@@ -17,7 +17,7 @@ SECTIONS = (
     "## 8. Scaling vs device count and model size",
     "## 9. Gradient-accumulation fusion",
     "## 10. ZeRO-3 against GSPMD FSDP",
-    "## 11. GPU (H100)",
+    "## 11. GPU: `bench/bench_gpu.py`",
 )
 
 
@@ -46,3 +46,26 @@ def test_run_all_quick(tmp_path):
         assert heading in text, heading
     for png in ("numerics_vs_n.png", "scaling.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
+
+
+def test_bench_gpu_tiny_writes_its_section(tmp_path):
+    """``bench/bench_gpu.py --tiny`` (the GPU command's script check on the CPU): every
+    chosen variant runs, and ``--write`` replaces only the marked block of a BENCHMARKS.md."""
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# x\n\n<!-- bench_gpu:start -->\nold\n<!-- bench_gpu:end -->\n\ntail\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    args = ["--tiny", "--stages", "3", "--accum", "4", "--write", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_gpu.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "old" not in text and text.startswith("# x") and text.rstrip().endswith("tail")
+    for variant in ("bare jit, 1 device", "jaxdp stage 3, G = 4, 2 devices", "fused=True"):
+        assert variant in text, variant
