@@ -47,6 +47,14 @@ def _leaf_paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _first_difference(got: list[Any], want: list[Any]) -> str:
+    """The first ``(path, shape)`` entry where ``got`` and ``want`` differ, for an error message."""
+    return next(
+        (f"{g} vs expected {e}" for g, e in zip(got, want) if g != e),
+        f"{len(got)} leaves vs expected {len(want)}",
+    )
+
+
 class CheckpointManager:
     """Save and restore a :class:`TrainState` of ``engine``, resharding on restore.
 
@@ -302,10 +310,7 @@ class CheckpointManager:
         got = [(p, tuple(s)) for p, s, _ in meta["opt_state"]]
         exp = [(p, tuple(x.shape)) for p, x in zip(opt_paths, canonical["opt_state"].values())]
         if got != exp:
-            diff = next(
-                (f"{g} vs expected {e}" for g, e in zip(got, exp) if g != e),
-                f"{len(got)} leaves vs expected {len(exp)}",
-            )
+            diff = _first_difference(got, exp)
             raise CheckpointMismatchError(
                 f"CheckpointManager.restore: the optimizer state in {where} does not match this "
                 f"engine's optimizer (first difference: {diff}). Fix: use the optimizer the "
@@ -341,10 +346,7 @@ class CheckpointManager:
             ]
             got = [[p, list(sh)] for p, sh, _ in saved]
             if got != want:
-                diff = next(
-                    (f"{g} vs expected {e}" for g, e in zip(got, want) if g != e),
-                    f"{len(got)} leaves vs expected {len(want)}",
-                )
+                diff = _first_difference(got, want)
                 raise CheckpointMismatchError(
                     f"CheckpointManager.restore: the model_state in {where} does not match the "
                     f"engine's (first difference: {diff}). Fix: build the model the checkpoint "

@@ -261,23 +261,27 @@ def check_fields(cfg: Any) -> None:
             "use 'interleaved' (optimizer state keeps the params' structure) or 'megatron'",
         )
 
-    if not isinstance(cfg.remat_policy, str) or cfg.remat_policy not in REMAT_POLICIES:
-        raise _err(
-            "remat_policy",
-            cfg.remat_policy,
-            f"one of {REMAT_POLICIES} (what stage 3's jax.checkpoint saves)",
-            "use 'gemm' (GEMM outputs only, the default), 'dots', 'everything' or 'nothing'",
-            TypeError if not isinstance(cfg.remat_policy, str) else ValueError,
-        )
+    _check_choice(
+        "remat_policy",
+        cfg.remat_policy,
+        REMAT_POLICIES,
+        "what stage 3's jax.checkpoint saves",
+        "use 'gemm' (GEMM outputs only, the default), 'dots', 'everything' or 'nothing'",
+    )
+    _check_choice(
+        "model_state_sync",
+        cfg.model_state_sync,
+        MODEL_STATE_SYNC,
+        "how the ranks combine the model_state each step",
+        "use 'mean' (running statistics, the default) or 'broadcast' (rank 0's)",
+    )
 
-    if not isinstance(cfg.model_state_sync, str) or cfg.model_state_sync not in MODEL_STATE_SYNC:
-        raise _err(
-            "model_state_sync",
-            cfg.model_state_sync,
-            f"one of {MODEL_STATE_SYNC} (how the ranks combine the model_state each step)",
-            "use 'mean' (running statistics, the default) or 'broadcast' (rank 0's)",
-            TypeError if not isinstance(cfg.model_state_sync, str) else ValueError,
-        )
+
+def _check_choice(field: str, value: Any, choices: tuple[str, ...], what: str, fix: str) -> None:
+    """A string field with a fixed set of values: TypeError for a non-string, else ValueError."""
+    if not isinstance(value, str) or value not in choices:
+        exc = TypeError if not isinstance(value, str) else ValueError
+        raise _err(field, value, f"one of {choices} ({what})", fix, exc)
 
 
 def check_combinations(cfg: Any) -> None:

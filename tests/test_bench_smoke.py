@@ -21,19 +21,14 @@ SECTIONS = (
 )
 
 
-def test_run_all_quick(tmp_path):
-    out = tmp_path / "BENCHMARKS.md"
+def _run_bench(script, *args, xla_flags=None):
+    """Run ``bench/<script>`` in a clean jax environment (the suite's XLA_FLAGS dropped) and
+    assert that it succeeded."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
     proc = subprocess.run(
-        [
-            sys.executable,
-            "bench/run_all.py",
-            "--quick",
-            "--out",
-            str(out),
-            "--plots",
-            str(tmp_path),
-        ],
+        [sys.executable, f"bench/{script}", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -41,6 +36,11 @@ def test_run_all_quick(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_run_all_quick(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    _run_bench("run_all.py", "--quick", "--out", str(out), "--plots", str(tmp_path))
     text = out.read_text()
     for heading in SECTIONS:
         assert heading in text, heading
@@ -53,18 +53,8 @@ def test_bench_gpu_tiny_writes_its_section(tmp_path):
     chosen variant runs, and ``--write`` replaces only the marked block of a BENCHMARKS.md."""
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# x\n\n<!-- bench_gpu:start -->\nold\n<!-- bench_gpu:end -->\n\ntail\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     args = ["--tiny", "--stages", "3", "--accum", "4", "--write", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "bench/bench_gpu.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_bench("bench_gpu.py", *args, xla_flags="--xla_force_host_platform_device_count=2")
     text = out.read_text()
     assert "old" not in text and text.startswith("# x") and text.rstrip().endswith("tail")
     for variant in ("bare jit, 1 device", "jaxdp stage 3, G = 4, 2 devices", "fused=True"):
