@@ -122,7 +122,7 @@ class ReduceAtEnd(Kernel):
         return self.parts(ctx[0], mb)
 
     def acc0(self) -> Any:
-        return self.ops.zeros([b.numel for b in self.layout.buckets], self.acc_dt)
+        return self.ops.zeros(self.ops.numels(sharded=False), self.acc_dt)
 
     def _add(self, acc: Any, flat: Any) -> Any:
         return tuple(a + f for a, f in zip(acc, flat, strict=True))
@@ -158,7 +158,7 @@ class ReduceEachMicrobatch(ScatterAtEnd):
         self.divisors: list[tuple[int, ...]] = []
 
     def acc0(self) -> Any:
-        return self.ops.zeros([b.shard_numel for b in self.layout.buckets], self.acc_dt)
+        return self.ops.zeros(self.ops.numels(sharded=True), self.acc_dt)
 
     def _add(self, acc: Any, flat: Any) -> Any:
         red, divs = self.ops.reduce_microbatch(flat, self.g)

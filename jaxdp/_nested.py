@@ -26,13 +26,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
-from ._gather import gather_full
+from ._gather import gather_buckets, gather_full
 from ._group import ReductionGroup
 from ._layout import BucketLayout
 from ._reduce import _divided, _float_for_sum, _reduce_one, metric_sum
 from ._sharding import ShardingPlan
 
-__all__ = ["NestedOps", "PlainOps", "ops_for"]
+__all__ = ["NestedOps", "PlainOps"]
 
 
 def _entry(axes: Sequence[str]) -> Any:
@@ -78,6 +78,10 @@ class PlainOps:
         """Sum a per-rank value over the group (ordered with ``deterministic_reduction``)."""
         return metric_sum(x, self.config, self.axis)
 
+    def numels(self, sharded: bool) -> list[int]:
+        """Elements of each accumulator: a bucket (``sharded``: its shard)."""
+        return [b.shard_numel if sharded else b.numel for b in self.layout.buckets]
+
     def zeros(self, numels: Sequence[int], dtype: Any) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros((n,), dtype) for n in numels)
 
@@ -120,6 +124,11 @@ class PlainOps:
     def gather_full(self, view: Any) -> Any:
         """This rank's shard view -> the full working params (``overlap_param_gather``)."""
         return gather_full(view, self.layout, self.axis)
+
+    def gather_end(self, view: Any, axis: Any, last: Any) -> Any:
+        """The end-of-step gather (stages 1-2): this device's shard view -> its full params,
+        each bucket waiting for ``last`` (:func:`jaxdp._gather.gather_buckets`)."""
+        return gather_buckets(self.layout.shard_unview(view), self.layout, axis, last)
 
     def place(self, fn: Any, view: Any, accs: Any, flags: Any) -> Any:
         """Run the per-rank ZeRO-3 gather ``fn(view, accs, flags) -> params`` on this rank's
@@ -244,12 +253,3 @@ class NestedOps(PlainOps):
 
 def _local_axes(ls: Any, auto: Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in ls.axes if a in auto)
-
-
-def ops_for(
-    layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
-) -> PlainOps:
-    """The bucket operations of a mesh: nested regions when some parameter is split over an
-    axis the step is not manual over (tensor parallelism), else the plain ones."""
-    cls = NestedOps if plan.auto_axes else PlainOps
-    return cls(layout, config, group, plan)

@@ -5,7 +5,8 @@
 * the **group** (:class:`jaxdp._group.ReductionGroup`): who reduces with whom;
 * the **sharding** of the params over the mesh's other axes
   (:class:`jaxdp._sharding.ShardingPlan`; trivial on a 1-D mesh) and so the **bucket
-  operations** (:func:`jaxdp._nested.ops_for`: nested regions on tensor-parallel meshes);
+  operations** (:func:`_ops`: nested regions on tensor-parallel meshes, per-parameter
+  collectives at stages 1-2, :mod:`jaxdp._per_param`);
 * the **layout** (:class:`jaxdp.BucketLayout`, with the scanned layer stacks ZeRO-3 gathers
   per layer);
 * the **strategy** (:mod:`jaxdp._strategy`), with its codecs and gradient kernel.
@@ -32,8 +33,9 @@ from ._gather import gathers_per_parameter, zero3_value_and_grad
 from ._group import ReductionGroup
 from ._kernels import GatherInGrad, ReduceAtEnd, ReduceEachMicrobatch, ScatterAtEnd
 from ._layout import BucketLayout
-from ._nested import ops_for
+from ._nested import NestedOps, PlainOps
 from ._optim_check import check_optimizer
+from ._per_param import PerParamOps, per_parameter_collectives
 from ._sharding import ShardingPlan
 from ._strategy import Replicated, ShardedOpt, ShardedParams, Strategy
 from ._zero3_scan import find_stacks, finds_stacks, zero3_scan_value_and_grad
@@ -141,6 +143,20 @@ def _layout(
     return BucketLayout.from_params(params, config, dp, stacked=stacks)
 
 
+def _ops(
+    config: DDPConfig, layout: BucketLayout, group: ReductionGroup, sharding: ShardingPlan
+) -> PlainOps:
+    """The gradient / param collectives' operations: nested regions when some parameter is
+    split over an axis the step is not manual over (tensor parallelism); per parameter at
+    stages 1-2 where :func:`jaxdp._per_param.per_parameter_collectives` allows it; else per
+    bucket."""
+    if sharding.auto_axes:
+        return NestedOps(layout, config, group, sharding)
+    if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
+        return PerParamOps(layout, config, group, sharding)
+    return PlainOps(layout, config, group, sharding)
+
+
 def _codecs(config: DDPConfig, layout: BucketLayout, sharding: ShardingPlan) -> tuple[Codec, Codec]:
     """``(params codec, sharded view codec)``."""
     plain = ParamCodec(layout, sharding)
@@ -166,7 +182,7 @@ def _strategy(
         sharding=sharding,
         group=group,
         optimizer=optimizer,
-        ops=ops_for(layout, config, group, sharding),
+        ops=_ops(config, layout, group, sharding),
         # The step is manual over the group's axes; on a mesh whose other axes hold no split
         # parameter, over all of them (the params are whole there).
         axis_names=set(group.mesh.axis_names if sharding.trivial else group.manual_axes),
@@ -186,6 +202,7 @@ def _strategy(
             params_codec=view if early else plain,
             params_sharded=early,
             scatters_per_step=g if stage == 2 else 1,
+            per_parameter=isinstance(common["ops"], PerParamOps),
             **common,
         )
     # stage 3: scanned layer stacks are gathered one layer per scan iteration

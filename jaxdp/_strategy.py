@@ -73,8 +73,9 @@ class Strategy:
         has_master: whether ``TrainState.master`` exists (``False`` only at stage 0 with
             params already in the master dtype).
         grad_collectives: HLO opcodes the gradient buckets are reduced with.
-        gathers_per_parameter: ZeRO-3 gathers (and reduce-scatters) each parameter on its
-            own, XLA combining them (:func:`jaxdp._gather.make_leaf_gather`).
+        gathers_per_parameter: each parameter is gathered and reduce-scattered on its own,
+            XLA combining them: ZeRO-3 (:func:`jaxdp._gather.make_leaf_gather`) and stages 1-2
+            (:mod:`jaxdp._per_param`) with the interleaved layout.
     """
 
     name = ""
@@ -266,13 +267,16 @@ class ShardedOpt(Strategy):
 
     name = "sharded optimizer"
 
-    def __init__(self, *, scatters_per_step: int, params_sharded: bool, **kw: Any):
+    def __init__(
+        self, *, scatters_per_step: int, params_sharded: bool, per_parameter: bool, **kw: Any
+    ):
         super().__init__(**kw)
         self.scatters = scatters_per_step
         self.params_sharded = params_sharded
+        self.gathers_per_parameter = per_parameter
 
     def _gather(self, new: Any, params: Any, last: jax.Array) -> Any:
-        return gather_params(new, last, self.layout, self.master_codec, self.params_codec)
+        return gather_params(new, last, self.master_codec, self.params_codec, self.ops)
 
     def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         # overlap_param_gather: the next step gathers them; just cast the new master shards

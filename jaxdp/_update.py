@@ -3,8 +3,8 @@
 Runs on globally sharded arrays outside ``shard_map``: at stage 0 the gradients, master weights
 and optimizer state are replicated; at stages >= 1 they are the layout's shard view, sharded over
 the data axis, so XLA's partitioner runs rank ``r``'s part of every elementwise optimizer
-operation on rank ``r`` and adds no collective (the tests check the compiled program). Then one
-``all_gather`` per bucket, inside ``shard_map``, rebuilds the working params in their dtype.
+operation on rank ``r`` and adds no collective (the tests check the compiled program). Then
+``all_gather`` per bucket (or per parameter), inside ``shard_map``, rebuilds the working params in their dtype.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ._config import DDPConfig
-from ._gather import gather_buckets
-from ._layout import BucketLayout
 
 __all__ = ["clip_by_norm", "gather_params", "optimizer_update"]
 
@@ -47,17 +45,16 @@ def optimizer_update(
     return optax.apply_updates(target, updates), opt_state
 
 
-def gather_params(
-    view: Any, last: Any, layout: BucketLayout, view_codec: Any, param_codec: Any
-) -> Any:
-    """Sharded master view -> the working params (stages 1-2), one ``all_gather`` per bucket
-    over the data axis (:func:`jaxdp._gather.gather_buckets`), in a ``shard_map`` manual over
-    the whole mesh: each device gathers its own blocks; ``param_codec`` gives the result's
-    shardings (replicated, or split over tensor-parallel axes as the params were)."""
+def gather_params(view: Any, last: Any, view_codec: Any, param_codec: Any, ops: Any) -> Any:
+    """Sharded master view -> the working params (stages 1-2), gathered over the data axis by
+    ``ops.gather_end`` (per bucket, :func:`jaxdp._gather.gather_buckets`, or per parameter,
+    :func:`jaxdp._per_param.gather_leaves`), in a ``shard_map`` manual over the whole mesh:
+    each device gathers its own blocks; ``param_codec`` gives the result's shardings
+    (replicated, or split over tensor-parallel axes as the params were)."""
     mesh, axis = view_codec.sharding.mesh, view_codec.axis
 
     def local(v: Any, lst: Any) -> Any:
-        return gather_buckets(layout.shard_unview(view_codec.unblock(v)), layout, axis, lst)
+        return ops.gather_end(view_codec.unblock(v), axis, lst)
 
     return jax.shard_map(
         local,

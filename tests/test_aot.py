@@ -80,10 +80,14 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
     assert n == 4
     kind, wire = grad_kind(stage, mode), MODES[mode][1]
 
-    # One collective per bucket per step in the straight-line region (the last micro-batch),
-    # none combined: every collective of the gradient kind is exactly one bucket.
+    # Bucketed (stage 0, the all_to_all mode): one collective per bucket per step in the
+    # straight-line region (the last micro-batch), none combined: every collective of the
+    # gradient kind is exactly one bucket. Per parameter (stages 1-2 otherwise): XLA's
+    # combiner groups the parameters' collectives into groups of at most one bucket.
+    per_param = dp.plan.strategy.gathers_per_parameter
+    assert per_param == (stage > 0 and mode != "megatron")
     grads = gradient_collectives(report, dp)
-    assert len(grads) == n, report
+    assert len(grads) >= n if per_param else len(grads) == n, report
     assert all(c.kind == kind and c.is_async and c.dtype == wire for c in grads), report
     big = [c for c in report.of_kind(kind) if c.elements > max(b.numel for b in dp.layout.buckets)]
     assert not big, f"XLA combined buckets:\n{report}"
@@ -97,7 +101,9 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
     if stage == 2 and g > 1:
         # by design: a reduce-scatter per micro-batch, once in the scan body and once for the
         # peeled last micro-batch; the scan body's collectives overlap its backward too
-        assert len(in_loop) == n and all(not c.entry for c in in_loop)
+        assert (len(in_loop) >= n if per_param else len(in_loop) == n) and all(
+            not c.entry for c in in_loop
+        )
         for c in in_loop[:-1]:
             assert c.backward_between >= 1, report
     else:
@@ -107,9 +113,11 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
         entry = text[text.index("\nENTRY") :]
         assert re.search(r" while\(", entry), "the micro-batch scan was unrolled"
 
-    if stage >= 1:  # params come back with one bf16 all-gather per bucket
+    if stage >= 1:  # params come back in bf16 all-gathers, at least one per bucket, none bigger
         ags = [c for c, r in zip(report.collectives, collective_roles(report, dp)) if "param" in r]
-        assert len(ags) == n and {c.dtype for c in ags} == {"bf16"}
+        assert len(ags) >= n if per_param else len(ags) == n, report
+        assert {c.dtype for c in ags} == {"bf16"}, report
+        assert len(report.of_kind("all-gather")) == len(ags), report
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -151,7 +159,7 @@ def test_cli_prints_the_table(mesh, tmp_path, capsys):
     rc = cli_main(["--stage", "1", "--grad-reduce-in-fp32", "--width", "128", "--hlo", str(hlo)])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "reduce-scatter" in out and "grad bucket" in out and "f32" in out
+    assert "reduce-scatter" in out and "grad group" in out and "f32" in out
     assert "4 for 4 buckets; 3 overlap backward compute" in out
     assert "--xla_gpu_reduce_scatter_combine_threshold_bytes=" in out
     assert hlo.read_text().startswith("HloModule")

@@ -1,4 +1,5 @@
-"""The compiled step: one collective per bucket, independent of micro-batches and depth."""
+"""The compiled step: one collective per bucket (per parameter at stages 1-2, for XLA's
+combiners), independent of micro-batches and depth."""
 
 import re
 
@@ -67,8 +68,12 @@ def test_one_collective_per_bucket(stage, g, depth):
         # one all-reduce per bucket + the loss mean; the norm of replicated grads is local
         assert counts == dict.fromkeys(OPS, 0) | {"all_reduce": n + 1}
     else:
-        # stage 2 with G > 1 reduce-scatters every micro-batch: once in the scan body and
-        # once for the peeled last micro-batch (G x n executions, 2n in the program text)
+        # Stages 1-2 reduce-scatter and gather each parameter on its own (XLA's combiners
+        # group them into buckets on GPUs: jaxdp._per_param): a count fixed by the leaves,
+        # not the depth. Stage 2 with G > 1 reduce-scatters every micro-batch: once in the
+        # scan body and once for the peeled last micro-batch (2x in the program text).
+        assert dp.plan.strategy.gathers_per_parameter
+        n = len(dp.layout.slots)
         rs = 2 * n if (stage == 2 and g > 1) else n
         assert counts == dict.fromkeys(OPS, 0) | {
             "reduce_scatter": rs,
@@ -108,7 +113,7 @@ def test_wire_dtype_of_reduce_scatter(kwargs, dtype):
     state = dp.init(mlp_params())
     text = dp.step.lower(state, dp.shard_batch(make_batch(64))).as_text()
     wire = wire_dtypes(text, "reduce_scatter")
-    assert len(wire) == len(dp.layout.buckets) and set(wire) == {dtype}, wire
+    assert len(wire) == len(dp.layout.slots) and set(wire) == {dtype}, wire  # per parameter
 
 
 def test_state_is_donated_and_step_jitted():
