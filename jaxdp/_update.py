@@ -4,7 +4,8 @@ Runs on globally sharded arrays outside ``shard_map``: at stage 0 the gradients,
 and optimizer state are replicated; at stages >= 1 they are the layout's shard view, sharded over
 the data axis, so XLA's partitioner runs rank ``r``'s part of every elementwise optimizer
 operation on rank ``r`` and adds no collective (the tests check the compiled program). Then
-``all_gather`` per bucket (or per parameter), inside ``shard_map``, rebuilds the working params in their dtype.
+``all_gather`` per bucket (or per parameter), inside ``shard_map``, rebuilds the working
+params in their dtype.
 """
 
 from __future__ import annotations
