@@ -160,7 +160,10 @@ def test_cli_prints_the_table(mesh, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "reduce-scatter" in out and "grad group" in out and "f32" in out
-    assert "4 for 4 buckets; 3 overlap backward compute" in out
+    # per-parameter reduce-scatters, grouped by XLA: at least one group per bucket, and at least
+    # as many overlapped as one-per-bucket gave (all but the last)
+    m = re.search(r"gradient collectives in ENTRY: (\d+) for 4 buckets; (\d+) overlap", out)
+    assert m and int(m.group(1)) >= 4 and int(m.group(2)) >= 3, out
     assert "--xla_gpu_reduce_scatter_combine_threshold_bytes=" in out
     assert hlo.read_text().startswith("HloModule")
 

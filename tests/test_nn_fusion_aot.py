@@ -82,8 +82,11 @@ def wgrad_gemms(text):
             continue
         params, result, body = comps[m.group(2)]
         root = next((b for b in body if "ROOT" in b), "")
-        if " dot(" in root and "transpose(jvp(" in root and f"[{W},{W}]" in result:
-            out.append((m.group(1), params, result, line))
+        dot = next((b for b in body if " dot(" in b and "transpose(jvp(" in b), "")
+        # the GEMM's root is the dot, or (accumulation in the epilogue) an add into the
+        # accumulator that the fusion takes as a parameter
+        if dot and (" dot(" in root or " add(" in root) and f"[{W},{W}]" in result:
+            out.append((m.group(1), params, result, line, " add(" in root))
     return out
 
 
@@ -107,9 +110,15 @@ def test_fused_wgrad_gemm_writes_f32_into_accumulator(mesh, stage):
     gemms = wgrad_gemms(text)
     # two layers, in the scanned micro-batches and in the peeled last one
     assert len(gemms) == 4, [g[3][:120] for g in gemms]
-    for name, params, result, _ in gemms:
+    # Stage 1 accumulates per parameter (jaxdp._per_param): in the scanned micro-batches the
+    # accumulation is the GEMM fusion's own epilogue (acc + dot, the f32 accumulator an input
+    # of the fusion); a packed bucket (stage 0) or a per-micro-batch reduce-scatter (stage 2)
+    # is not.
+    assert sum(g[4] for g in gemms) == (2 if stage == 1 else 0), [g[3][:160] for g in gemms]
+    for name, params, result, _, epilogue in gemms:
         assert result.startswith("f32["), result
         assert params.count("bf16[") == 2, params  # both operands bf16
+        assert params.count(f"f32[{W},{W}]") == (1 if epilogue else 0), params
         uses = consumers(text, name)
         assert uses
         for use in uses:
