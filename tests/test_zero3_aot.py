@@ -4,7 +4,8 @@ Skips without the ``gpu-aot`` extra, like test_aot.py. At stage 3 (a 4.2M-parame
 in 5 buckets) every parameter is all-gathered twice (forward, and again in the backward instead
 of being kept as a residual) and reduce-scattered once, in groups of at most one bucket; with
 ``overlap_param_gather`` stage 1's gathers (an 8-layer MLP in 4 buckets) move from after the
-optimizer update into the forward pass.
+optimizer update into the forward pass. Stages 1-2 also gather and reduce-scatter per
+parameter; XLA combines them into groups of at most one bucket.
 """
 
 import itertools
@@ -36,12 +37,14 @@ def compiled(mesh, stage, g=1, mode="bf16", **extra):
 
 
 def param_gathers(report, dp, entry=True):
-    numels = {b.numel for b in dp.layout.buckets}
+    """The parameter all-gathers (one per bucket, or XLA's groups of per-parameter gathers) of
+    one region, in schedule order."""
+    roles = collective_roles(report, dp)
     return sorted(
         (
             c
-            for c in report.of_kind("all-gather")
-            if c.entry == entry and c.elements in numels and c.operands == 1
+            for c, r in zip(report.collectives, roles, strict=True)
+            if c.entry == entry and r.startswith("param")
         ),
         key=lambda c: c.start_index,
     )
@@ -135,9 +138,10 @@ def test_stage3_microbatches_gather_in_the_loop_too(mesh):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlap_param_gather_moves_the_gathers_into_the_forward(mesh, overlap):
     dp, report = compiled(mesh, 1, overlap_param_gather=overlap)
-    n = len(dp.layout.buckets)
+    psi = sum(b.numel for b in dp.layout.buckets)
     ags, grads = param_gathers(report, dp), gradient_collectives(report, dp)
-    assert len(ags) == n and len(grads) == n, report
+    # every parameter gathered and reduce-scattered once (per parameter, grouped by XLA)
+    assert sum(c.elements for c in ags) == psi == sum(c.elements for c in grads), report
     first_grad = min(c.start_index for c in grads)
     last_grad = max(c.done_index for c in grads)
     if overlap:  # before the backward pass: in the forward, once per step
@@ -149,15 +153,18 @@ def test_overlap_param_gather_moves_the_gathers_into_the_forward(mesh, overlap):
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("g", [1, 4])
 def test_end_of_step_gathers_keep_no_second_copy_of_the_params(mesh, stage, g):
-    """Stages 1-2 gather the updated params bucket by bucket, each gather paired (an XLA
-    scheduling group) with splitting the previous bucket into its leaves. Without that XLA
-    started every gather first and split them all at the end: temporaries of at least a full
-    bf16 copy of the params (1,060,144 bytes here at G = 1, against 796,976 now)."""
+    """Stages 1-2 gather the updated params per parameter, bucket after bucket (XLA scheduling
+    groups: bucket k+1's gathers start after bucket k's gathered leaves exist), each gather
+    done before the next starts. Without that XLA started every gather first and split them
+    all at the end: temporaries of at least a full bf16 copy of the params (1,060,144 bytes
+    here at G = 1; 796,976 with one gather per bucket and its unpack; 105,536 now)."""
     dp, params, batch = build(mesh, stage, "bf16", g)
     compiled = compile_step(dp, params, batch)
     ags = param_gathers(schedule_report(compiled.as_text()), dp)
-    assert len(ags) == len(dp.layout.buckets)
+    n, psi = len(dp.layout.buckets), sum(b.numel for b in dp.layout.buckets)
+    biggest = max(b.numel for b in dp.layout.buckets)
+    assert sum(c.elements for c in ags) == psi, ags  # every parameter once
+    assert n <= len(ags) <= 2 * n and all(c.elements <= biggest for c in ags), ags
     assert all(b.start_index > a.done_index for a, b in itertools.pairwise(ags)), ags  # in turn
-    psi = sum(b.numel for b in dp.layout.buckets)
     acc = 0 if g == 1 else (4 * psi if stage == 1 else 4 * psi // 8)  # the fp32 accumulator
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * psi + acc

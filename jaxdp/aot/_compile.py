@@ -139,8 +139,9 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     exactly one bucket's elements; a param collective is an all-gather of one bucket. A
     collective that XLA combined from several buckets matches no bucket and gets ``""``.
 
-    At ``zero_stage=3`` with the interleaved layout jaxdp gathers and reduce-scatters each
-    parameter on its own (:func:`jaxdp._gather.make_leaf_gather`) and XLA's combiners merge
+    At ``zero_stage=3`` with the interleaved layout (:func:`jaxdp._gather.make_leaf_gather`),
+    and at stages 1-2 in the bf16 and fp32-wire modes (:mod:`jaxdp._per_param`), jaxdp gathers
+    and reduce-scatters each parameter on its own and XLA's combiners merge
     them into groups of at most one bucket (:func:`jaxdp.combine_thresholds`): an all-gather in
     the working dtype, or a gradient collective in the wire dtype, of at most the largest
     bucket's elements is a ``"param group"`` / ``"grad group"``. Collectives of the micro-batch
@@ -174,7 +175,7 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
 def gradient_collectives(
     report: ScheduleReport, dp: DataParallel, *, entry_only: bool = True
 ) -> tuple[Collective, ...]:
-    """The gradient collectives of ``report``: buckets and, at stage 3, groups of parameters
+    """The gradient collectives of ``report``: buckets and groups of parameters
     (see :func:`collective_roles`).
 
     With ``entry_only`` (default) only those of the ENTRY computation, i.e. of the last
