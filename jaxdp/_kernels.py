@@ -8,6 +8,13 @@ plan picks one per engine; none branches on the stage again:
   micro-batch): micro-batches accumulate into flat buckets of ``main_grads_dtype`` with no
   communication, then one collective per bucket (all-reduce for a contiguous layout,
   reduce-scatter otherwise; :mod:`jaxdp._reduce`).
+* :class:`ReduceAtEndPerParam` / :class:`ScatterAtEndPerParam`: the same with one fp32
+  accumulator per parameter, of the parameter's own shape, packed into buckets once, after the
+  last micro-batch (fused with its add). ``acc + dot`` then has the weight gradient's shape, so
+  XLA's GEMM rewriter can make the accumulation the weight-gradient GEMM's epilogue
+  (cuBLAS ``beta = 1``) instead of a separate pass over a packed bucket; elementwise the sums
+  are the same. The plan uses these with micro-batches wherever the params are whole on each
+  device.
 * :class:`ReduceEachMicrobatch` (stage 2): every micro-batch's buckets are reduce-scattered
   into a sharded accumulator (``G`` times the communication, ``1/dp`` of the accumulator
   memory), divided once at the end.
@@ -33,7 +40,15 @@ from ._order import after
 from ._reduce import finish_deferred
 from .nn._fusion import fused_value_and_grad
 
-__all__ = ["GatherInGrad", "Kernel", "ReduceAtEnd", "ReduceEachMicrobatch", "ScatterAtEnd"]
+__all__ = [
+    "GatherInGrad",
+    "Kernel",
+    "ReduceAtEnd",
+    "ReduceAtEndPerParam",
+    "ReduceEachMicrobatch",
+    "ScatterAtEnd",
+    "ScatterAtEndPerParam",
+]
 
 
 def _finite_flags(grads: Any) -> jax.Array:
@@ -124,13 +139,14 @@ class ReduceAtEnd(Kernel):
     def acc0(self) -> Any:
         return self.ops.zeros(self.ops.numels(sharded=False), self.acc_dt)
 
-    def _add(self, acc: Any, flat: Any) -> Any:
+    def _add(self, acc: Any, grads: Any) -> Any:
+        flat = self.ops.pack(grads, self.acc_dt)
         return tuple(a + f for a, f in zip(acc, flat, strict=True))
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
         wv, grad_fn = ctx
         out, grads = grad_fn(wv, mb)
-        acc = self._add(acc, self.ops.pack(grads, self.acc_dt))
+        acc = self._add(acc, grads)
         if self.config.check_for_nan_in_grad:
             ok = ok & _finite_flags(grads)
         return out, acc, ok
@@ -150,6 +166,33 @@ class ScatterAtEnd(_Sharded, ReduceAtEnd):
     """Stages 1-2 with one micro-batch: the same, reduce-scattered once."""
 
 
+class _PerParamAccumulator(ReduceAtEnd):
+    """Accumulate in one ``main_grads_dtype`` array per parameter, shaped like it; pack into
+    buckets once, in :meth:`finish` (module docstring)."""
+
+    def prepare(self, params: Any, mb0: Any) -> Any:
+        ctx = super().prepare(params, mb0)
+        self.acc_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, self.acc_dt), ctx[0])
+        return ctx
+
+    def acc0(self) -> Any:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.acc_shapes)
+
+    def _add(self, acc: Any, grads: Any) -> Any:
+        return jax.tree.map(lambda a, g: a + g.astype(self.acc_dt), acc, grads)
+
+    def finish(self, acc: Any) -> tuple[jax.Array, ...]:
+        return super().finish(self.ops.pack(acc, self.acc_dt))
+
+
+class ReduceAtEndPerParam(_PerParamAccumulator):
+    """Stage 0 with micro-batches: per-parameter accumulators, all-reduced at the end."""
+
+
+class ScatterAtEndPerParam(_Sharded, _PerParamAccumulator):
+    """Stage 1 with micro-batches: per-parameter accumulators, reduce-scattered at the end."""
+
+
 class ReduceEachMicrobatch(ScatterAtEnd):
     """Stage 2: reduce-scatter every micro-batch into a sharded fp32 accumulator."""
 
@@ -160,8 +203,8 @@ class ReduceEachMicrobatch(ScatterAtEnd):
     def acc0(self) -> Any:
         return self.ops.zeros(self.ops.numels(sharded=True), self.acc_dt)
 
-    def _add(self, acc: Any, flat: Any) -> Any:
-        red, divs = self.ops.reduce_microbatch(flat, self.g)
+    def _add(self, acc: Any, grads: Any) -> Any:
+        red, divs = self.ops.reduce_microbatch(self.ops.pack(grads, self.acc_dt), self.g)
         self.divisors.append(divs)  # static ints, the same at every trace
         return tuple(a + r.astype(self.acc_dt) for a, r in zip(acc, red, strict=True))
 

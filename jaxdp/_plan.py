@@ -31,7 +31,14 @@ from ._codec import BlockCodec, Codec, InterleavedCodec, MegatronCodec, ParamCod
 from ._config import DDPConfig
 from ._gather import gathers_per_parameter, zero3_value_and_grad
 from ._group import ReductionGroup
-from ._kernels import GatherInGrad, ReduceAtEnd, ReduceEachMicrobatch, ScatterAtEnd
+from ._kernels import (
+    GatherInGrad,
+    ReduceAtEnd,
+    ReduceAtEndPerParam,
+    ReduceEachMicrobatch,
+    ScatterAtEnd,
+    ScatterAtEndPerParam,
+)
 from ._layout import BucketLayout
 from ._nested import NestedOps, PlainOps
 from ._optim_check import check_optimizer
@@ -188,13 +195,20 @@ def _strategy(
         axis_names=set(group.mesh.axis_names if sharding.trivial else group.manual_axes),
     )
     g, stage = config.num_microbatches, config.zero_stage
+    # With micro-batches, accumulate per parameter (the GEMM's epilogue can do the add) where
+    # the params are whole on each device; nested regions keep bucket accumulators.
+    per_param_acc = g > 1 and not isinstance(common["ops"], NestedOps)
     kernel: Callable[..., Any]
     if stage == 0:
-        kernel = ReduceAtEnd
+        kernel = ReduceAtEndPerParam if per_param_acc else ReduceAtEnd
         return Replicated(kernel=kernel, master_codec=plain, params_codec=plain, **common)
     if stage in (1, 2):
         early = config.overlap_param_gather  # params kept sharded, gathered up front
-        each: type[ScatterAtEnd] = ReduceEachMicrobatch if stage == 2 and g > 1 else ScatterAtEnd
+        each: type[ScatterAtEnd | ScatterAtEndPerParam]
+        if stage == 2 and g > 1:
+            each = ReduceEachMicrobatch
+        else:
+            each = ScatterAtEndPerParam if per_param_acc else ScatterAtEnd
         kernel = functools.partial(each, gather_first=early)
         return ShardedOpt(
             kernel=kernel,

@@ -149,10 +149,12 @@ def test_accumulator_dtype_survives_the_scan(dtype, short):
     state = dp.init(mlp_params())
     text = dp.step.lower(state, dp.shard_batch(make_batch(64))).as_text()
     header = next(line for line in text.splitlines() if "stablehlo.while" in line)
-    carried = set(re.findall(r"tensor<(\d+)x(\w+)>", header))
-    for b in dp.layout.buckets:
-        # The flat bucket accumulators are carried through the scan in main_grads_dtype.
-        assert (str(b.numel), short) in carried, (b.numel, carried)
+    carried = set(re.findall(r"tensor<([\dx]+)x(\w+)>", header))
+    for leaf in jax.tree.leaves(mlp_params()):
+        # One accumulator per parameter, of its shape, carried through the scan in
+        # main_grads_dtype (jaxdp._kernels.ReduceAtEndPerParam).
+        dims = "x".join(map(str, leaf.shape))
+        assert (dims, short) in carried, (dims, carried)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
