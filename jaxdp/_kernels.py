@@ -11,9 +11,9 @@ plan picks one per engine; none branches on the stage again:
 * :class:`ReduceAtEndPerParam` / :class:`ScatterAtEndPerParam`: the same with one fp32
   accumulator per parameter, of the parameter's own shape, packed into buckets once, after the
   last micro-batch (fused with its add). ``acc + dot`` then has the weight gradient's shape, so
-  XLA's GEMM rewriter can make the accumulation the weight-gradient GEMM's epilogue
-  (cuBLAS ``beta = 1``) instead of a separate pass over a packed bucket; elementwise the sums
-  are the same. The plan uses these with micro-batches wherever the params are whole on each
+  XLA can make the accumulation the weight-gradient GEMM fusion's epilogue instead of a
+  separate pass over a packed bucket (compiled for H100s: the fusion's root is ``acc + dot``);
+  elementwise the sums are the same. The plan uses these with micro-batches wherever the params are whole on each
   device.
 * :class:`ReduceEachMicrobatch` (stage 2): every micro-batch's buckets are reduce-scattered
   into a sharded accumulator (``G`` times the communication, ``1/dp`` of the accumulator
