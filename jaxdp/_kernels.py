@@ -13,8 +13,8 @@ plan picks one per engine; none branches on the stage again:
   last micro-batch (fused with its add). ``acc + dot`` then has the weight gradient's shape, so
   XLA can make the accumulation the weight-gradient GEMM fusion's epilogue instead of a
   separate pass over a packed bucket (compiled for H100s: the fusion's root is ``acc + dot``);
-  elementwise the sums are the same. The plan uses these with micro-batches wherever the params are whole on each
-  device.
+  elementwise the sums are the same. The plan uses these with micro-batches wherever the
+  params are whole on each device.
 * :class:`ReduceEachMicrobatch` (stage 2): every micro-batch's buckets are reduce-scattered
   into a sharded accumulator (``G`` times the communication, ``1/dp`` of the accumulator
   memory), divided once at the end.
