@@ -132,3 +132,38 @@ XLA's buffer assignment (`--xla_dump_to`), splitting a gathered interleaved buck
 and packing the leaves' gradients back were whole-bucket copies kept alive beside the bucket,
 three buckets at the forward peak. Stages 1-2 gather the updated params bucket by bucket (an
 XLA scheduling group per bucket), so no full copy of them is alive at the end of the step."""
+
+
+def traffic_reading(res: dict[str, Any]) -> str:
+    if not res.get("rows"):
+        return ""
+    rows = {r["program"]: r for r in res["rows"]}
+    ours = [r for r in res["rows"] if "peer" in r]
+    lines = []
+    for r in ours:
+        goal = 0.25 if not r["program"].startswith("jaxdp stage 3") else 0.0
+        met = "met" if r["vs peer"] <= goal else "not met"
+        lines.append(
+            f"{r['program'][6:]}: {r['vs peer']:+.2f} against {r['peer']} (goal <= {goal:+.2f}: "
+            f"{met})"
+        )
+    s3 = rows.get("jaxdp stage 3")
+    sharded = rows.get("GSPMD sharded")
+    peak = ""
+    if s3 and sharded:
+        ok = "met" if s3["peak GiB"] <= sharded["peak GiB"] else "not met"
+        peak = (
+            f" Stage 3's peak is {s3['peak GiB']:.2f} GiB against the sharded peer's "
+            f"{sharded['peak GiB']:.2f} (goal: at most it, {ok})."
+        )
+    concat = [r["program"][6:] for r in ours if r["concat"] > 0 and "stage 0" not in r["program"]]
+    s0 = rows.get("jaxdp stage 0")
+    pack = f"{s0['concat']:.2f}" if s0 else "n/a"
+    return f"""\
+**Reading the numbers.** Non-GEMM traffic minus the matching peer's, in gradient volumes:
+{"; ".join(lines)}.{peak} Gradient concatenations at stages 1-2:
+{", ".join(concat) if concat else "none"} (stage 0 packs its all-reduce buckets: {pack} gradient
+volumes, which is how the detector is checked on a known program). Stages 1-2 reduce-scatter and
+gather each parameter on its own and XLA's combiners group them (one NCCL group call over the
+separate buffers), so nothing is packed or unpacked; the gradients are reduced straight into the
+optimizer's shard layout."""

@@ -3,9 +3,10 @@
 Run from the repository root:  python bench/run_all.py [--out BENCHMARKS.md]
 
 Runs every benchmark in bench/ (layout, step time, memory on CPU and on compile-only H100s,
-communication, numerics vs N, compile time, scaling, gradient-accumulation fusion) on 8
-simulated CPU devices and writes their tables, plots (PNG, linked), the command, the machine
-and the software versions into one Markdown file. About 15 minutes on a 2-core machine;
+communication, numerics vs N, compile time, scaling, gradient-accumulation fusion, traffic
+against GSPMD peers) on 8 simulated CPU devices and writes their tables, plots (PNG, linked),
+the command, the machine and the software versions into one Markdown file. About 20 minutes on
+a 2-core machine;
 ``--quick`` runs everything at minimal size as a smoke test (a few minutes; CI runs it through
 ``tests/test_bench_smoke.py``) and writes to the temp folder unless ``--out`` is given.
 """
@@ -46,6 +47,7 @@ import bench_memory_gpu  # noqa: E402
 import bench_numerics  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_step  # noqa: E402
+import bench_traffic  # noqa: E402
 import bench_zero3  # noqa: E402
 import jax  # noqa: E402
 from readings import (  # noqa: E402
@@ -54,6 +56,7 @@ from readings import (  # noqa: E402
     memory_gpu_reading,
     numerics_reading,
     scaling_reading,
+    traffic_reading,
 )
 
 
@@ -301,7 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     scaling, _, t_scaling = _run(lambda: bench_scaling.main(quick=quick, plots=args.plots))
     fusion, _, t_fusion = _run(lambda: bench_fusion.run(quick=quick))
     zero3, _, t_zero3 = _run(lambda: bench_zero3.main(quick=quick))
+    traffic, _, t_traffic = _run(lambda: bench_traffic.main_result(quick=quick))
     scal_md = scaling["markdown"]
+    traffic_md = traffic["markdown"]
 
     layout_md = "\n".join(
         [
@@ -369,7 +374,11 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {_section("10. ZeRO-3 against GSPMD FSDP", "bench_zero3", t_zero3, zero3["markdown"])}
 
-## 11. GPU: `bench/bench_gpu.py`
+{_section("11. Traffic and peak against GSPMD peers", "bench_traffic", t_traffic, traffic_md)}
+
+{traffic_reading(traffic)}
+
+## 12. GPU: `bench/bench_gpu.py`
 
 {_gpu_block(args.out)}
 """

@@ -17,7 +17,8 @@ SECTIONS = (
     "## 8. Scaling vs device count and model size",
     "## 9. Gradient-accumulation fusion",
     "## 10. ZeRO-3 against GSPMD FSDP",
-    "## 11. GPU: `bench/bench_gpu.py`",
+    "## 11. Traffic and peak against GSPMD peers",
+    "## 12. GPU: `bench/bench_gpu.py`",
 )
 
 

@@ -1,0 +1,264 @@
+"""Memory traffic and peak of every ZeRO stage against GSPMD peers, compiled for 8 H100s.
+
+Nothing executes (compile-only H100s, the ``gpu-aot`` extra). One >= 100M-parameter GPT of
+``jaxdp.models`` (abstract params; bf16 working params, fp32 master, AdamW), ``G`` micro-batches,
+compiled as:
+
+* jaxdp ``zero_stage`` 0-3 (bf16 wire), and stages 1-2 with ``grad_reduce_in_fp32``;
+* three plain-``jit`` GSPMD peers with the same model, optimizer and batch:
+  **replicated** (fp32 master and Adam state replicated, batch sharded: XLA's partitioner
+  all-reduces the gradients), **sharded** (master and Adam state sharded ``P("data")``, the
+  bf16 params replicated where they are used: ZeRO-1's traffic, and a whole step's params
+  alive at once), and **sharded + remat** (the same with the loss under ``jax.checkpoint``
+  saving GEMM outputs only, so the backward pass gathers the params again: FSDP).
+
+Read from each program (``bench_remat.traffic``): the bytes read and written by every op that
+is neither a GEMM nor a collective, in fp32 gradient volumes (``4 Ψ`` bytes), the part of it
+in the model's forward/backward (``jvp(``), the compiled peak (argument + output - aliased +
+temp, ``memory_analysis()``), and the bytes of the gradient concatenations: unfused
+``concatenate`` ops, and fusions whose output is a concatenation (perhaps scaled or cast), of
+at least 1% of the params in bf16: what packing gradients into flat buckets costs (stage 0's
+all-reduce buckets show it; a concatenate fused into a reduction writes nothing).
+
+Goals (issue 21): stages 0-2 within 0.25 gradient volumes of the matching peer (stage 0:
+replicated; 1-2: sharded), stage 3 at most the sharded + remat peer and its peak at most the
+sharded peer's; no gradient concatenation at stages 1-2.
+
+Run: ``JAX_PLATFORMS=cpu python bench/bench_traffic.py [--quick] [--g 1]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import math
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from bench_remat import _COMP, _INSTR, _array_bytes, _split_shape, gpt_problem, traffic
+from bench_zero3 import _abstract, _spec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdp import DataParallel, DDPConfig, aot
+
+N = 8
+_DIMS = re.compile(r"\b(?:pred|[suf]\d+|bf16|f8\w*)\[([0-9,]*)\]")
+GIB = 2.0**30
+
+
+def concat_bytes(text: str, min_bytes: int) -> int:
+    """Output bytes of the unfused ``concatenate`` ops and of the fusions whose output is a
+    concatenation, each of at least ``min_bytes`` (smaller ones are scalars and norms, not
+    gradient packs). A concatenate inside a fusion that reduces it writes nothing to memory."""
+    body: dict[str, list[tuple[str, str]]] = {}
+    cur = None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            cur = m.group(1)
+            body[cur] = []
+            continue
+        m = _INSTR.match(line)
+        if cur is None or not m:
+            continue
+        shape, tail = _split_shape(m.group(2))
+        body[cur].append((shape, tail))
+    fused = {
+        c.group(1)
+        for ins in body.values()
+        for _, tail in ins
+        if tail.startswith("fusion(")
+        for c in [re.search(r"calls=%([\w.\-]+)", tail)]
+        if c
+    }
+
+    def elements(shape: str) -> int:
+        return sum(math.prod(int(d) for d in dims.split(",") if d) for dims in _DIMS.findall(shape))
+
+    def builds_output(comp: str, n: int) -> bool:
+        # the fusion's output is a concatenation (maybe scaled or cast): a concatenate inside
+        # it with as many elements as the output
+        return any(
+            tail.startswith("concatenate(") and elements(shape) == n for shape, tail in body[comp]
+        )
+
+    total = 0
+    for comp, ins in body.items():
+        if comp in fused:
+            continue
+        for shape, tail in ins:
+            op = tail.split("(", 1)[0]
+            called = re.search(r"calls=%([\w.\-]+)", tail)
+            n = elements(shape)
+            if op == "concatenate" or (
+                op == "fusion" and called is not None and builds_output(called.group(1), n)
+            ):
+                nbytes = _array_bytes(shape)
+                total += nbytes if nbytes >= min_bytes else 0
+    return total
+
+
+def _total(m: Any) -> int:
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def _reading(compiled: Any, psi: int) -> dict[str, float]:
+    text = compiled.as_text()
+    t = traffic(text)
+    vol = 4.0 * psi
+    return {
+        "traffic": t["all"] / vol,
+        "model": t["model"] / vol,
+        "peak GiB": _total(compiled.memory_analysis()) / GIB,
+        # 1% of the params in bf16: any bucket of gradients, no scalar
+        "concat": concat_bytes(text, 2 * psi // 100) / vol,
+    }
+
+
+def peer_step(loss_fn: Any, optimizer: Any, g: int, mesh: Any, *, remat: bool) -> Any:
+    """``(master, opt_state, batch) -> (master, opt_state, loss)``: bf16 params cast from the
+    fp32 master and replicated where used, fp32 gradients summed over ``g`` micro-batches."""
+    rep = NamedSharding(mesh, P())
+
+    def lf(m: Any, mb: Any) -> jax.Array:
+        work = jax.tree.map(
+            lambda w: jax.lax.with_sharding_constraint(w.astype(jnp.bfloat16), rep), m
+        )
+        return loss_fn(work, mb)
+
+    if remat:
+        lf = jax.checkpoint(lf, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+    def step(master: Any, opt_state: Any, batch: Any) -> Any:
+        mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
+
+        def micro(carry: Any, mb: Any) -> Any:
+            acc, tot = carry
+            loss, grads = jax.value_and_grad(lf)(master, mb)
+            acc = jax.tree.map(lambda a, gr: a + gr.astype(jnp.float32), acc, grads)
+            return (acc, tot + loss), None
+
+        acc0 = jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), master)
+        (acc, tot), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), jnp.float32)), mbs)
+        updates, opt_state = optimizer.update(jax.tree.map(lambda a: a / g, acc), opt_state, master)
+        return optax.apply_updates(master, updates), opt_state, tot / g
+
+    return step
+
+
+def compile_peer(
+    loss_fn: Any, params: Any, batch: Any, g: int, mesh: Any, kind: str
+) -> tuple[Any, float]:
+    opt = optax.adamw(1e-4)
+    opt_abs = jax.eval_shape(opt.init, params)
+    if kind == "replicated":
+        shard = lambda x: NamedSharding(mesh, P())  # noqa: E731
+    else:
+        shard = lambda x: NamedSharding(mesh, _spec(x.shape, N))  # noqa: E731
+    ps, os_ = jax.tree.map(shard, params), jax.tree.map(shard, opt_abs)
+    step = jax.jit(
+        peer_step(loss_fn, opt, g, mesh, remat=kind == "sharded + remat"),
+        in_shardings=(ps, os_, NamedSharding(mesh, P("data"))),
+        out_shardings=(ps, os_, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
+    bsh = NamedSharding(mesh, P("data"))
+    t0 = time.perf_counter()
+    compiled = step.lower(
+        _abstract(params, ps),
+        _abstract(opt_abs, os_),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bsh), batch),
+    ).compile()
+    return compiled, time.perf_counter() - t0
+
+
+VARIANTS = (
+    ("stage 0", {"zero_stage": 0}, "replicated"),
+    ("stage 1", {"zero_stage": 1}, "sharded"),
+    ("stage 1, fp32 wire", {"zero_stage": 1, "grad_reduce_in_fp32": True}, "sharded"),
+    ("stage 2", {"zero_stage": 2}, "sharded"),
+    ("stage 2, fp32 wire", {"zero_stage": 2, "grad_reduce_in_fp32": True}, "sharded"),
+    ("stage 3", {"zero_stage": 3}, "sharded + remat"),
+)
+
+
+def run(quick: bool = False, g: int = 1) -> dict[str, Any]:
+    """Every peer and variant (``quick``: a small GPT, the sharded peer and stages 0-1 only)."""
+    mesh = aot.h100_mesh(N)
+    loss_fn, params, batch, info = gpt_problem(quick, g)
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    peers: dict[str, dict[str, float]] = {}
+    rows = []
+    kinds = ("replicated", "sharded") if quick else ("replicated", "sharded", "sharded + remat")
+    variants = VARIANTS[:2] if quick else VARIANTS
+    for kind in kinds:
+        compiled, secs = compile_peer(loss_fn, params, batch, g, mesh, kind)
+        peers[kind] = {**_reading(compiled, psi), "compile s": secs}
+        rows.append({"program": f"GSPMD {kind}", **peers[kind]})
+        print(rows[-1], flush=True)
+    for name, extra, peer in variants:
+        cfg = DDPConfig(num_microbatches=g, param_dtype="bfloat16", **extra)
+        dp = DataParallel(loss_fn, optax.adamw(1e-4), cfg, mesh=mesh)
+        t0 = time.perf_counter()
+        compiled = aot.compile_step(dp, params, batch)
+        row = {"program": f"jaxdp {name}", **_reading(compiled, psi)}
+        row["compile s"] = time.perf_counter() - t0
+        row["peer"] = peer
+        row["vs peer"] = row["traffic"] - peers[peer]["traffic"]
+        rows.append(row)
+        print(row, flush=True)
+    return {"psi": psi, "what": info["what"], "g": g, "rows": rows, "peers": peers}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        f"{res['what']}, Ψ = {res['psi']:,}, G = {res['g']}, bf16 working params, fp32 master, "
+        "AdamW, 8 compile-only H100s, jaxdp's XLA flags. Traffic, model part and gradient "
+        "concatenations in fp32 gradient volumes (4 Ψ bytes).",
+        "",
+        "| program | non-GEMM traffic | of it in the model | minus the matching peer | "
+        "gradient concatenations | peak GiB | compile s |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        vs = f"{r['vs peer']:+.2f} ({r['peer']})" if "peer" in r else ""
+        lines.append(
+            f"| {r['program']} | {r['traffic']:.2f} | {r['model']:.2f} | {vs} | "
+            f"{r['concat']:.2f} | {r['peak GiB']:.2f} | {r['compile s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main_result(quick: bool = False, g: int = 1) -> dict[str, Any]:
+    """:func:`run` plus its ``"markdown"`` (or ``"skipped"`` without the gpu-aot extra)."""
+    try:
+        aot.h100_mesh(N)
+    except Exception as e:  # the gpu-aot extra is missing
+        why = f"compile-only H100 devices unavailable ({type(e).__name__}: {e})"
+        return {"skipped": why, "markdown": f"Skipped: {why}.", "rows": []}
+    res = run(quick, g)
+    res["markdown"] = markdown(res)
+    return res
+
+
+def main(argv: list[str]) -> None:
+    g = int(argv[argv.index("--g") + 1]) if "--g" in argv else 1
+    print(main_result("--quick" in argv, g)["markdown"], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
