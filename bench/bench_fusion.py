@@ -307,9 +307,12 @@ def markdown(res: dict[str, Any]) -> str:
         out += [
             "",
             f"({c['depth']} layers: one GEMM per layer in the scanned micro-batch body and one in "
-            "the peeled last micro-batch.) XLA emits a Triton GEMM fusion, not a cuBLAS GEMM "
-            "with beta = 1: the accumulator is a packed bucket buffer, so the f32 weight "
-            "gradients are concatenated and added to it in one f32 loop fusion.",
+            "the peeled last micro-batch.) XLA emits Triton GEMM fusions. With fusion, in the "
+            "scanned micro-batches the f32 accumulator (one array per parameter, of its shape) "
+            "is an operand of the GEMM fusion, whose root adds the product to it: the "
+            "accumulation is the GEMM's epilogue, with no pass of its own. The peeled last "
+            "micro-batch's products are added to the accumulators inside the fusion that packs "
+            "them into the bucket for the all-reduce.",
         ]
     out += [
         "",
