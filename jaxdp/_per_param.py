@@ -124,12 +124,17 @@ def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any, last: 
         return jax.tree_util.tree_unflatten(layout.treedef, out)
     buckets = layout.buckets
     leaves: list[Any] = [None] * len(layout.slots)
-    gathered = [[gather(after(shards[i], last)) for i in buckets[0].slots]]
+
+    def gather_bucket(k: int, dep: Any) -> list[Any]:
+        # one after() per bucket: its zero is computed once from all of dep's leaves (one
+        # per shard would be |bucket k| x |bucket k+1| ops for XLA to simplify away)
+        return [gather(x) for x in after([shards[i] for i in buckets[k].slots], dep)]
+
+    gathered = [gather_bucket(0, last)]
     for k, b in enumerate(buckets):
         with set_xla_metadata(_scheduling_group_id=str(SCHEDULING_GROUP_BASE + k)):
             if k + 1 < len(buckets):
-                nxt = buckets[k + 1].slots
-                gathered.append([gather(after(shards[i], gathered[k])) for i in nxt])
+                gathered.append(gather_bucket(k + 1, gathered[k]))
             for i, full in zip(b.slots, gathered[k], strict=True):
                 leaves[i] = unpack(i, full)
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
