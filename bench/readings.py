@@ -70,9 +70,10 @@ def compile_reading(res: dict[str, Any]) -> str:
     gpu_stage1 = (
         f" On the GPU compiler stage 1 is the slower of the two ({gpu_big['leaves']} leaves: XLA "
         f"compile {gpu_big['stage1_compile']:.1f} s, plain `jit` {gpu_big['plain']:.1f} s in "
-        "all): it issues one reduce-scatter and one all-gather per parameter for XLA's combiners "
-        "and latency-hiding scheduler to group and place, and which of those passes takes the "
-        "time is not traced yet."
+        "all). The timings come from one process that compiles every variant in turn, and "
+        "vary with what it compiled before: in a fresh process each, the stage-1 XLA compile "
+        "at 1,000 leaves measured 68.8 s per parameter and 70.1 s with one collective per "
+        "bucket."
         if gpu_big
         else ""
     )
