@@ -41,10 +41,9 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from bench_remat import _COMP, _INSTR, _array_bytes, _split_shape, gpt_problem, traffic
-from bench_zero3 import _abstract, _spec
+from bench_zero3 import _abstract, _spec, _total, gspmd_fsdp_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -107,15 +106,6 @@ def concat_bytes(text: str, min_bytes: int) -> int:
     return total
 
 
-def _total(m: Any) -> int:
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
 def _reading(compiled: Any, psi: int) -> dict[str, float]:
     text = compiled.as_text()
     t = traffic(text)
@@ -129,37 +119,6 @@ def _reading(compiled: Any, psi: int) -> dict[str, float]:
     }
 
 
-def peer_step(loss_fn: Any, optimizer: Any, g: int, mesh: Any, *, remat: bool) -> Any:
-    """``(master, opt_state, batch) -> (master, opt_state, loss)``: bf16 params cast from the
-    fp32 master and replicated where used, fp32 gradients summed over ``g`` micro-batches."""
-    rep = NamedSharding(mesh, P())
-
-    def lf(m: Any, mb: Any) -> jax.Array:
-        work = jax.tree.map(
-            lambda w: jax.lax.with_sharding_constraint(w.astype(jnp.bfloat16), rep), m
-        )
-        return loss_fn(work, mb)
-
-    if remat:
-        lf = jax.checkpoint(lf, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-
-    def step(master: Any, opt_state: Any, batch: Any) -> Any:
-        mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
-
-        def micro(carry: Any, mb: Any) -> Any:
-            acc, tot = carry
-            loss, grads = jax.value_and_grad(lf)(master, mb)
-            acc = jax.tree.map(lambda a, gr: a + gr.astype(jnp.float32), acc, grads)
-            return (acc, tot + loss), None
-
-        acc0 = jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), master)
-        (acc, tot), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), jnp.float32)), mbs)
-        updates, opt_state = optimizer.update(jax.tree.map(lambda a: a / g, acc), opt_state, master)
-        return optax.apply_updates(master, updates), opt_state, tot / g
-
-    return step
-
-
 def compile_peer(
     loss_fn: Any, params: Any, batch: Any, g: int, mesh: Any, kind: str
 ) -> tuple[Any, float]:
@@ -171,7 +130,7 @@ def compile_peer(
         shard = lambda x: NamedSharding(mesh, _spec(x.shape, N))  # noqa: E731
     ps, os_ = jax.tree.map(shard, params), jax.tree.map(shard, opt_abs)
     step = jax.jit(
-        peer_step(loss_fn, opt, g, mesh, remat=kind == "sharded + remat"),
+        gspmd_fsdp_step(loss_fn, opt, g, mesh, remat=kind == "sharded + remat"),
         in_shardings=(ps, os_, NamedSharding(mesh, P("data"))),
         out_shardings=(ps, os_, NamedSharding(mesh, P())),
         donate_argnums=(0, 1),

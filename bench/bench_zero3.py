@@ -51,21 +51,26 @@ def _spec(shape: tuple[int, ...], n: int) -> P:
     return P()
 
 
-def gspmd_fsdp_step(loss_fn: Any, optimizer: Any, g: int, mesh: Any) -> Any:
+def gspmd_fsdp_step(loss_fn: Any, optimizer: Any, g: int, mesh: Any, *, remat: bool = False) -> Any:
     """The peer's step: ``(master, opt_state, batch) -> (master, opt_state, loss)``.
 
     Each bf16 param is constrained to be replicated where it is used (the all-gather of FSDP);
-    the partitioner makes the transpose of that a reduce-scatter of its gradient.
+    the partitioner makes the transpose of that a reduce-scatter of its gradient. With
+    ``remat`` the loss runs under ``jax.checkpoint`` saving GEMM outputs only, so the backward
+    pass gathers the params again.
     """
     rep = NamedSharding(mesh, P())
 
-    def step(master: Any, opt_state: Any, batch: Any) -> Any:
-        def lf(m: Any, mb: Any) -> jax.Array:
-            work = jax.tree.map(
-                lambda w: jax.lax.with_sharding_constraint(w.astype(jnp.bfloat16), rep), m
-            )
-            return loss_fn(work, mb)
+    def lf(m: Any, mb: Any) -> jax.Array:
+        work = jax.tree.map(
+            lambda w: jax.lax.with_sharding_constraint(w.astype(jnp.bfloat16), rep), m
+        )
+        return loss_fn(work, mb)
 
+    if remat:
+        lf = jax.checkpoint(lf, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+    def step(master: Any, opt_state: Any, batch: Any) -> Any:
         mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
 
         def micro(carry: Any, mb: Any) -> Any:
