@@ -50,6 +50,8 @@ class PlainOps:
         self.layout, self.config, self.group, self.plan = layout, config, group, plan
         self.axis = group.axes
         self.groups = group.bucket_groups(layout)
+        # what _reduce reduces, one entry per array: buckets here, parameters in PerParamOps
+        self.reduce_buckets, self.reduce_groups = list(layout.buckets), list(self.groups)
 
     def varying(self, params: Any) -> Any:
         """Per-device copies of ``params`` to differentiate (autodiff then adds no psum): each
@@ -92,7 +94,7 @@ class PlainOps:
         self, flat: Sequence[jax.Array], g: int, deferred: bool
     ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
         out, divs = [], []
-        for x, b, grp in zip(flat, self.layout.buckets, self.groups, strict=True):
+        for x, b, grp in zip(flat, self.reduce_buckets, self.reduce_groups, strict=True):
             if grp.prediv != 1 and not self.config.calculate_per_token_loss:
                 x = _divided(x, grp.prediv, _float_for_sum(x.dtype))
             red, div = _reduce_one(

@@ -31,7 +31,6 @@ from ._gather import SCHEDULING_GROUP_BASE
 from ._layout import BucketLayout
 from ._nested import PlainOps
 from ._order import after
-from ._reduce import _divided, _float_for_sum, _reduce_one
 
 __all__ = ["PerParamOps", "gather_leaves", "per_parameter_collectives"]
 
@@ -55,8 +54,8 @@ class PerParamOps(PlainOps):
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         lay = self.layout
-        self.bucket_of = [lay.buckets[s.bucket] for s in lay.slots]
-        self.group_of = [self.groups[s.bucket] for s in lay.slots]
+        self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
+        self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
 
     def numels(self, sharded: bool) -> list[int]:
         dp = 1 if sharded else self.layout.dp_size
@@ -75,26 +74,12 @@ class PerParamOps(PlainOps):
         leaves = self.layout._check_tree(grads, "pack")
         return tuple(self.layout._leaf_to_global(i, g, dtype) for i, g in enumerate(leaves))
 
-    def _reduce(
-        self, flat: Sequence[jax.Array], g: int, deferred: bool
-    ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
-        out, divs = [], []
-        for x, b, grp in zip(flat, self.bucket_of, self.group_of, strict=True):
-            if grp.prediv != 1 and not self.config.calculate_per_token_loss:
-                x = _divided(x, grp.prediv, _float_for_sum(x.dtype))
-            red, div = _reduce_one(
-                x, b, self.layout, self.config, g, deferred, axis=grp.axes, dp=grp.size
-            )
-            out.append(red)
-            divs.append(div)
-        return tuple(out), tuple(divs)
-
     def out_shards(self, red: Sequence[jax.Array]) -> Any:
         return jax.tree_util.tree_unflatten(self.layout.treedef, list(red))
 
     def _working(self, view: Any) -> list[Any]:
         leaves = jax.tree_util.tree_leaves(view)
-        return [x.astype(b.dtype) for x, b in zip(leaves, self.bucket_of, strict=True)]
+        return [x.astype(b.dtype) for x, b in zip(leaves, self.reduce_buckets, strict=True)]
 
     def gather_full(self, view: Any) -> Any:
         return gather_leaves(self._working(view), self.layout, self.axis)
