@@ -38,7 +38,7 @@ from ._config import DDPConfig
 from ._layout import BucketLayout
 from ._order import after
 from ._reduce import finish_deferred
-from .nn._fusion import fused_value_and_grad
+from .nn._fusion import fused_function
 
 __all__ = [
     "GatherInGrad",
@@ -128,13 +128,13 @@ class ReduceAtEnd(Kernel):
         # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
         # then yields per-device partial gradients and inserts no psum per use.
         wv = self.ops.varying(self.source(params))
-        grad_fn = jax.value_and_grad(self.parts, has_aux=True)
+        parts = self.parts
         if self.config.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
-            wv, grad_fn = fused_value_and_grad(self.parts, wv, mb0, has_aux=True)
-        return wv, grad_fn
+            wv, parts = fused_function(self.parts, wv, mb0)
+        return wv, jax.value_and_grad(parts, has_aux=True), parts
 
     def forward(self, ctx: Any, mb: Any) -> Any:
-        return self.parts(ctx[0], mb)
+        return ctx[2](ctx[0], mb)
 
     def acc0(self) -> Any:
         return self.ops.zeros(self.ops.numels(sharded=False), self.acc_dt)
@@ -144,7 +144,7 @@ class ReduceAtEnd(Kernel):
         return tuple(a + f for a, f in zip(acc, flat, strict=True))
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
-        wv, grad_fn = ctx
+        wv, grad_fn, _ = ctx
         out, grads = grad_fn(wv, mb)
         acc = self._add(acc, grads)
         if self.config.check_for_nan_in_grad:

@@ -259,3 +259,41 @@ def test_gpt_parity_fp32():
     errs = grad_rel_errs(g_fused, g_plain)
     worst = max(errs, key=errs.get)
     assert errs[worst] <= GRAD_RTOL, (worst, errs[worst], GRAD_RTOL)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_models_gpt_fuses(scan):
+    """``jaxdp.models.GPT`` is built from jaxdp.nn layers: with the fusion on, its kernels (and
+    only those) are differentiated in fp32, with ``nn.scan`` too (the engine's forward-only
+    trace of the loss used to run outside the fused scope, where a scanned block computed in
+    fp32 and changed its carry's dtype), and the first step's loss is the unfused one."""
+    from jaxdp.models import GPT, GPTConfig, next_byte_loss
+
+    model = GPT(GPTConfig(layers=2, width=32, heads=2, context=16, scan=scan))
+    params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (16, 17), 0, 256)}
+
+    def loss_fn(p, b):
+        return next_byte_loss(model, p, b)
+
+    diff, _ = fused_value_and_grad(loss_fn, _bf16(params), batch)
+    fused = {
+        jax.tree_util.keystr(k, simple=True, separator="/")
+        for k, v in jax.tree_util.tree_flatten_with_path(diff)[0]
+        if v.dtype == jnp.float32
+    }
+    names = ("attn/qkv", "attn/out", "fc", "proj")
+    blocks = ["blocks"] if scan else ["block_0", "block_1"]
+    assert fused == {f"{b}/{n}/kernel" for b in blocks for n in names} | {"head/kernel"}
+    cfg = DDPConfig(zero_stage=1, num_microbatches=2, param_dtype="bfloat16")
+    out = {}
+    for fuse in (False, True):
+        dp = DataParallel(
+            loss_fn, optax.adamw(1e-3), cfg.replace(gradient_accumulation_fusion=fuse)
+        )
+        state = dp.init(params)
+        _, m = dp.step(state, dp.shard_batch(batch))
+        out[fuse] = float(m["loss"]), float(m["grad_norm"])
+    assert out[True][0] == out[False][0]
+    # the weight gradients differ by their bf16 rounding only (2**-9 relative)
+    np.testing.assert_allclose(out[True][1], out[False][1], rtol=2.0**-8)

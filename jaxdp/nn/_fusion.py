@@ -196,6 +196,16 @@ def fused_value_and_grad(
         >>> str(g["kernel"].dtype), str(g["bias"].dtype)
         ('float32', 'bfloat16')
     """
+    diff, scoped = fused_function(fun, params, example)
+    return diff, jax.value_and_grad(scoped, has_aux=has_aux)
+
+
+def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[Any, Any]:
+    """``(diff_params, scoped)``: :func:`fused_value_and_grad`'s params and the function it
+    differentiates, ``scoped(diff_params, batch) == fun(params, batch)`` with the fused
+    kernels computing in their working dtype. Evaluate ``fun`` on ``diff_params`` only through
+    ``scoped``: outside it a fused layer sees an fp32 kernel and computes in fp32 (which, in an
+    ``nn.scan`` body, changes the carry's dtype)."""
     kps, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [v for _, v in kps]
     paths = [path_str(k) for k, _ in kps]
@@ -235,4 +245,4 @@ def fused_value_and_grad(
         with _scope(scope):
             return fun(p, batch)
 
-    return diff, jax.value_and_grad(wrapped, has_aux=has_aux)
+    return diff, wrapped
