@@ -3,6 +3,9 @@
 Pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP, learned position
 embeddings, an untied output head over the 256 byte values. Small enough to train on CPU
 devices in minutes; the main job (``python -m jaxdp.train``) trains it with ``DataParallel``.
+Its dense layers are :mod:`jaxdp.nn`'s drop-ins for flax's (flax's own computation unless
+``DDPConfig(gradient_accumulation_fusion=True)``, which then computes their weight gradients
+in fp32 straight from the GEMM).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from .. import nn as jnn
 
 __all__ = ["GPT", "GPTConfig", "generate", "next_byte_loss"]
 
@@ -82,10 +87,10 @@ class _Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        qkv = nn.DenseGeneral((3, cfg.heads, cfg.width // cfg.heads), name="qkv")(x)
+        qkv = jnn.DenseGeneral((3, cfg.heads, cfg.width // cfg.heads), name="qkv")(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [batch, time, heads, head dim]
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return nn.DenseGeneral(cfg.width, axis=(-2, -1), name="out")(y)
+        return jnn.DenseGeneral(cfg.width, axis=(-2, -1), name="out")(y)
 
 
 class _Block(nn.Module):
@@ -99,8 +104,8 @@ class _Block(nn.Module):
         h = _Attention(cfg, name="attn")(nn.LayerNorm(name="ln_attn")(x))
         x = x + drop(h)
         h = nn.LayerNorm(name="ln_mlp")(x)
-        h = nn.Dense(4 * cfg.width, name="fc")(h)
-        h = nn.Dense(cfg.width, name="proj")(nn.gelu(h))
+        h = jnn.Dense(4 * cfg.width, name="fc")(h)
+        h = jnn.Dense(cfg.width, name="proj")(nn.gelu(h))
         return x + drop(h)
 
 
@@ -148,7 +153,7 @@ class GPT(nn.Module):
                 x = _Block(cfg, train, name=f"block_{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         # A small head init starts the loss at ln(256), the uniform guess.
-        return nn.Dense(cfg.vocab, kernel_init=nn.initializers.normal(0.02), name="head")(x)
+        return jnn.Dense(cfg.vocab, kernel_init=nn.initializers.normal(0.02), name="head")(x)
 
 
 def next_byte_loss(
