@@ -125,6 +125,98 @@ def _operands(tail: str) -> list[str]:
     return []
 
 
+_ELEMENTWISE = {
+    "convert",
+    "multiply",
+    "add",
+    "subtract",
+    "divide",
+    "negate",
+    "abs",
+    "sqrt",
+    "rsqrt",
+    "maximum",
+    "minimum",
+    "select",
+    "compare",
+    "and",
+    "or",
+    "not",
+}
+
+
+def _sliced_reads(instrs: list[tuple[str, str, str]]) -> dict[int, int]:
+    """Bytes a fused computation reads of those 1-D parameters it reaches only through
+    ``slice`` ops, directly or through a 1-D ``concatenate``, and elementwise ops on the same
+    index space on the way: the overlap of the slices with each parameter's range (a
+    concatenation's other operands, such as zero padding, are computed in the fusion and read
+    nothing). A fusion computes each output element from the input elements it indexes, so a
+    slice of a (concatenated) buffer reads only the sliced elements: stage 3 feeds the
+    optimizer its per-parameter gradients this way, stage 0 unpacks its buckets so.
+    Parameters used otherwise are absent (read in full)."""
+    info = {}
+    users: dict[str, list[str]] = {}
+    params: dict[str, int] = {}
+    for name, shape, tail in instrs:
+        op = tail[: tail.index("(")] if "(" in tail else tail
+        ops = _operands(tail) if "(" in tail else []
+        info[name] = (op, shape, tail, ops)
+        for o in dict.fromkeys(ops):
+            users.setdefault(o, []).append(name)
+        if op == "parameter":
+            params[name] = int(re.search(r"parameter\((\d+)\)", tail).group(1))  # type: ignore[union-attr]
+
+    def one_d(shape: str) -> tuple[str, str] | None:
+        dims = _ARRAY.findall(shape)
+        return dims[0] if len(dims) == 1 and "," not in dims[0][1] else None
+
+    out: dict[int, int] = {}
+    for name, (op, shape, _tail, ops) in info.items():
+        dims = one_d(shape)
+        if dims is None:
+            continue
+        if op == "concatenate":
+            # operands: parameters read only here, or values computed in the fusion (padding)
+            if not all(users.get(o) == [name] for o in ops if o in params):
+                continue
+            parts = ops
+        elif op == "parameter" and not any(
+            info[u][0] == "concatenate" for u in users.get(name, [])
+        ):
+            parts = [name]
+        else:
+            continue
+        spans: set[tuple[int, int]] = set()
+        frontier, seen, ok = [name], {name}, True
+        while frontier and ok:
+            for u in users.get(frontier.pop(), []):
+                uop, ushape, utail, _ = info[u]
+                if uop == "slice":
+                    hit = re.search(r"slice=\{\[(\d+):(\d+)\]", utail)
+                    if hit is None:  # a strided slice
+                        ok = False
+                        break
+                    spans.add((int(hit.group(1)), int(hit.group(2))))
+                elif uop in _ELEMENTWISE and (one_d(ushape) or ("", ""))[1] == dims[1]:
+                    if u not in seen:
+                        seen.add(u)
+                        frontier.append(u)
+                else:
+                    ok = False
+                    break
+        if not ok or not spans:
+            continue
+        start = 0
+        for o in parts:
+            dt, n = _ARRAY.findall(info[o][1])[0]
+            end = start + int(n)
+            if o in params:
+                got = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in spans)
+                out[params[o]] = min(int(n), got) * _ITEMSIZE[dt]
+            start = end
+    return out
+
+
 def traffic(text: str) -> dict[str, float]:
     """Bytes read + written by the non-GEMM, non-collective ops of a scheduled HLO module."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
@@ -142,6 +234,7 @@ def traffic(text: str) -> dict[str, float]:
             cur.append((m.group(1), shape, tail))
     sizes = {name: _array_bytes(shape) for ins in comps.values() for name, shape, _ in ins}
     out = {"all": 0.0, "model": 0.0, "gemm": 0.0}
+    sliced: dict[str, dict[int, int]] = {}  # fused computation -> {param index: bytes read}
 
     def walk(comp: str, times: float) -> None:
         for _, shape, tail in comps[comp]:
@@ -158,7 +251,15 @@ def traffic(text: str) -> dict[str, float]:
                 continue
             if op in _FREE or op.startswith(_COLLECTIVE):
                 continue
-            moved = times * (_array_bytes(shape) + sum(sizes.get(o, 0) for o in _operands(tail)))
+            operands = _operands(tail)
+            reads = [sizes.get(o, 0) for o in operands]
+            called = re.search(r"calls=%([\w.\-]+)", tail) if op == "fusion" else None
+            if called:
+                if called.group(1) not in sliced:
+                    sliced[called.group(1)] = _sliced_reads(comps[called.group(1)])
+                for k, b in sliced[called.group(1)].items():
+                    reads[k] = min(reads[k], b)
+            moved = times * (_array_bytes(shape) + sum(reads))
             if (op == "fusion" and any(k in tail for k in _GEMM_KINDS)) or (
                 op == "custom-call" and ("gemm" in tail or "matmul" in tail)
             ):

@@ -4,7 +4,9 @@ Nothing executes (compile-only H100s, the ``gpu-aot`` extra). One >= 100M-parame
 ``jaxdp.models`` (abstract params; bf16 working params, fp32 master, AdamW), ``G`` micro-batches,
 compiled as:
 
-* jaxdp ``zero_stage`` 0-3 (bf16 wire), and stages 1-2 with ``grad_reduce_in_fp32``;
+* jaxdp ``zero_stage`` 0-3 (bf16 wire), and stages 1-2 with ``grad_reduce_in_fp32``, without
+  and with ``gradient_accumulation_fusion`` (the model's dense layers are :mod:`jaxdp.nn`'s,
+  so their weight-gradient GEMMs then write fp32 and nothing casts the gradients up);
 * three plain-``jit`` GSPMD peers with the same model, optimizer and batch:
   **replicated** (fp32 master and Adam state replicated, batch sharded: XLA's partitioner
   all-reduces the gradients), **sharded** (master and Adam state sharded ``P("data")``, the
@@ -13,7 +15,8 @@ compiled as:
   saving GEMM outputs only, so the backward pass gathers the params again: FSDP).
 
 Read from each program (``bench_remat.traffic``): the bytes read and written by every op that
-is neither a GEMM nor a collective, in fp32 gradient volumes (``4 Ψ`` bytes), the part of it
+is neither a GEMM nor a collective (a fusion that only slices a 1-D input, or a concatenation
+of inputs, reads only the sliced elements), in fp32 gradient volumes (``4 Ψ`` bytes), the part of it
 in the model's forward/backward (``jvp(``), the compiled peak (argument + output - aliased +
 temp, ``memory_analysis()``), and the bytes of the gradient concatenations: unfused
 ``concatenate`` ops, and fusions whose output is a concatenation (perhaps scaled or cast), of
@@ -145,12 +148,17 @@ def compile_peer(
     return compiled, time.perf_counter() - t0
 
 
+# Megatron's fp32 main-grad path: the weight-gradient GEMMs write fp32 (jaxdp.models.GPT's
+# dense layers are jaxdp.nn's), so no pass casts bf16 gradients up before the reduce-scatter.
+FP32_FUSED = {"grad_reduce_in_fp32": True, "gradient_accumulation_fusion": True}
 VARIANTS = (
     ("stage 0", {"zero_stage": 0}, "replicated"),
     ("stage 1", {"zero_stage": 1}, "sharded"),
     ("stage 1, fp32 wire", {"zero_stage": 1, "grad_reduce_in_fp32": True}, "sharded"),
     ("stage 2", {"zero_stage": 2}, "sharded"),
     ("stage 2, fp32 wire", {"zero_stage": 2, "grad_reduce_in_fp32": True}, "sharded"),
+    ("stage 1, fp32 wire + fusion", {"zero_stage": 1, **FP32_FUSED}, "sharded"),
+    ("stage 2, fp32 wire + fusion", {"zero_stage": 2, **FP32_FUSED}, "sharded"),
     ("stage 3", {"zero_stage": 3}, "sharded + remat"),
 )
 
