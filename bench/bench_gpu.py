@@ -14,11 +14,12 @@ attention through ``jax.nn.dot_product_attention``), same per-device batch:
 
 Per variant: the first call (trace + compile) in seconds; **blocking** ms/step (median,
 ``block_until_ready`` after every step); **pipelined** ms/step (15 steps dispatched back to
-back, one block, median of rounds); **device busy** ms/step (a ``jax.profiler`` trace of 5
-pipelined steps read with ``jax.profiler.ProfileData``: the union of the GPU streams' op
-intervals, divided by 5); **peak** memory of the compiled program (arguments + outputs -
-aliased + temp, ``memory_analysis()``); and **MFU** = ``tokens/s x (6 N + 12 L T d) /
-(devices x peak)`` from the pipelined time.
+back, one block, median of rounds); **host ms/call**: how long each of those pipelined
+calls takes to return (the host's dispatch work per step); **device busy** ms/step (a
+``jax.profiler`` trace of 5 pipelined steps read with ``jax.profiler.ProfileData``: the
+union of the GPU streams' op intervals, divided by 5); **peak** memory of the compiled
+program (arguments + outputs - aliased + temp, ``memory_analysis()``); and **MFU** =
+``tokens/s x (6 N + 12 L T d) / (devices x peak)`` from the pipelined time.
 
 Run on a GPU host (the default model is the 303M-parameter GPT of ``configs/gpt_300m_gpu.yaml``)::
 
@@ -121,13 +122,17 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
         state, m = step(state, batch)
         jax.block_until_ready(m)
         blocking.append(time.perf_counter() - t0)
-    pipelined = []
+    pipelined, host = [], []
     for _ in range(3):
         t0 = time.perf_counter()
+        calls = 0.0
         for _ in range(PIPELINE):
+            t1 = time.perf_counter()
             state, m = step(state, batch)
+            calls += time.perf_counter() - t1
         jax.block_until_ready((state, m))
         pipelined.append((time.perf_counter() - t0) / PIPELINE)
+        host.append(calls / PIPELINE)
     busy, state = busy_ms(step, state, batch)
     mem = compiled.memory_analysis()
     peak = None
@@ -141,6 +146,7 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
     return {
         "blocking_ms": 1e3 * statistics.median(blocking),
         "pipelined_ms": 1e3 * statistics.median(pipelined),
+        "host_ms": 1e3 * statistics.median(host),
         "busy_ms": busy,
         "peak_gib": None if peak is None else peak / 2**30,
     }
@@ -201,14 +207,15 @@ def markdown(head: str, rows: list[tuple[str, dict[str, Any], int]], fuse: Any, 
         head,
         "",
         "| variant | blocking ms | pipelined ms | vs bare (pipelined) | device busy ms | "
-        "first call s | compile vs bare | peak GiB | MFU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "host ms/call | host vs bare | first call s | compile vs bare | peak GiB | MFU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r, devices in rows:
         util = mfu(r["pipelined_ms"], devices)
         lines.append(
             f"| {name} | {r['blocking_ms']:.1f} | {r['pipelined_ms']:.1f} | "
             f"{r['pipelined_ms'] / base['pipelined_ms']:.3f}x | {_f(r['busy_ms'], '.1f')} | "
+            f"{r['host_ms']:.2f} | {r['host_ms'] / base['host_ms']:.2f}x | "
             f"{r['compile_s']:.1f} | {r['compile_s'] / base['compile_s']:.2f}x | "
             f"{_f(r['peak_gib'], '.2f')} | {_f(util, '.1%')} |"
         )

@@ -40,6 +40,7 @@ sys.path.insert(0, HERE)
 
 import bench_comm  # noqa: E402
 import bench_compile  # noqa: E402
+import bench_dispatch  # noqa: E402
 import bench_fusion  # noqa: E402
 import bench_layout  # noqa: E402
 import bench_memory  # noqa: E402
@@ -53,6 +54,7 @@ import jax  # noqa: E402
 from readings import (  # noqa: E402
     comm_reading,
     compile_reading,
+    dispatch_reading,
     memory_gpu_reading,
     numerics_reading,
     scaling_reading,
@@ -305,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     fusion, _, t_fusion = _run(lambda: bench_fusion.run(quick=quick))
     zero3, _, t_zero3 = _run(lambda: bench_zero3.main(quick=quick))
     traffic, _, t_traffic = _run(lambda: bench_traffic.main_result(quick=quick))
+    dispatch, _, t_dispatch = _run(lambda: bench_dispatch.main_result(quick=quick))
     scal_md = scaling["markdown"]
     traffic_md = traffic["markdown"]
 
@@ -378,7 +381,11 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {traffic_reading(traffic)}
 
-## 12. GPU: `bench/bench_gpu.py`
+{_section("12. Host time per step", "bench_dispatch", t_dispatch, dispatch["markdown"])}
+
+{dispatch_reading(dispatch)}
+
+## 13. GPU: `bench/bench_gpu.py`
 
 {_gpu_block(args.out)}
 """

@@ -18,7 +18,8 @@ SECTIONS = (
     "## 9. Gradient-accumulation fusion",
     "## 10. ZeRO-3 against GSPMD FSDP",
     "## 11. Traffic and peak against GSPMD peers",
-    "## 12. GPU: `bench/bench_gpu.py`",
+    "## 12. Host time per step",
+    "## 13. GPU: `bench/bench_gpu.py`",
 )
 
 
