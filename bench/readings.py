@@ -199,3 +199,39 @@ a pass of its own before its reduce-scatter ({plain["traffic"] - bf16["traffic"]
 the bf16 wire at stage 1); with `gradient_accumulation_fusion` (Megatron's fp32 main-grad path;
 the GPT's dense layers are `jaxdp.nn`'s) the weight-gradient GEMMs write fp32 themselves and the
 pass is gone ({fused["traffic"] - bf16["traffic"]:+.2f})."""
+
+
+def dispatch_reading(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    by = {r["variant"]: r for r in rows}
+    peers = {"fp32": by["bare jit, fp32"], "bf16": by["bare jit, bf16 + fp32 master"]}
+    ours = [r for r in rows if "peer" in r]
+    gpu = all("launches" in r for r in rows)
+
+    def ratio(r: dict[str, Any], key: str) -> float:
+        return float(r[key] / peers[r["peer"]][key])
+
+    worst = max(ours, key=lambda r: ratio(r, "loop_us"))
+    extra = [
+        f"{r['variant'][6:]} {r['arrays'] - peers[r['peer']]['arrays']:+d}"
+        for r in ours
+        if r["arrays"] != peers[r["peer"]]["arrays"]
+    ]
+    launches = ""
+    if gpu:
+        launch = "; ".join(f"{r['variant'][6:]} {ratio(r, 'launches'):.2f}x" for r in ours)
+        launches = f"""
+On the GPU compiler (one compile-only H100) the kernel launches per step against the matching
+peer: {launch}. XLA:GPU drops collectives over a one-device group, which XLA:CPU keeps (one
+thunk per parameter per collective at stages 1-3 here), so the CPU loop column overstates what
+a GPU host pays at dp = 1."""
+    return f"""\
+**Reading the numbers.** Each jaxdp variant is held to the bare step with the same precision
+(fp32; or bf16 working params with an fp32 master). The state arrays are what each step call
+passes in and gets back; a state array costs the host about {res["per_array_us"]:.1f} us here.
+Arrays beyond the peer's: {", ".join(extra) if extra else "none"} (stage 1 in fp32 keeps the
+replicated working params next to the sharded master: one array per parameter more than a bare
+step that updates its params in place). Worst loop ratio: {worst["variant"][6:]},
+{ratio(worst, "loop_us"):.2f}x (goal <= 1.2x, on a GPU host; CPU
+collectives run synchronously on the calling thread, so these CPU times are a smoke check).
+{launches}"""
