@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from ._config import DDPConfig
@@ -32,7 +33,13 @@ from ._layout import BucketLayout
 from ._nested import PlainOps
 from ._order import after
 
-__all__ = ["PerParamOps", "gather_leaves", "per_parameter_collectives"]
+__all__ = [
+    "AllReduceOps",
+    "PerParamOps",
+    "gather_leaves",
+    "per_parameter_all_reduce",
+    "per_parameter_collectives",
+]
 
 
 def per_parameter_collectives(config: DDPConfig, layout: BucketLayout) -> bool:
@@ -47,6 +54,59 @@ def per_parameter_collectives(config: DDPConfig, layout: BucketLayout) -> bool:
     )
 
 
+def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout, platform: str) -> bool:
+    """Whether a stage-0 engine with params whole on each device all-reduces per parameter:
+    a ``psum`` on the wire (the all_to_all modes reduce-scatter explicit, padded buckets), on
+    XLA:CPU only. XLA:GPU runs ``AllReduceContiguous`` on every combined all-reduce (no flag
+    turns it off in jaxlib 0.10.2): it copies the operands into one buffer and back, the very
+    pack and unpack, and not fused into the gradients' producers and the update as jaxdp's
+    are (compiled for 8 H100s, 100.7M GPT: 47.26 gradient volumes per parameter against the
+    bucketed 45.34)."""
+    return (
+        platform == "cpu"
+        and layout.kind == "contiguous"
+        and not layout.stacked
+        and not config.reduce_scatter_with_fp32_accumulation
+        and not config.deterministic_reduction
+    )
+
+
+class AllReduceOps(PlainOps):
+    """Stage 0 with one all-reduce per parameter, combined by XLA (XLA:CPU only, see
+    :func:`per_parameter_all_reduce`).
+
+    The bucketed path packs every gradient into its bucket before the ``psum`` and slices each
+    one back out afterwards; XLA fuses those slices into the optimizer's updates, and on
+    XLA:CPU a loop fusion with a slice costs about 20x an elementwise one to compile (1,000
+    leaves: 2,000 such fusions). Here each gradient is reduced flattened, as it is (a bitcast,
+    no padding: an all-reduce needs none), so there is neither a pack nor an unpack. The sums
+    are the bucketed path's, elementwise, and so is the norm (summed over each bucket)."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        lay = self.layout
+        self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
+        self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
+
+    def numels(self, sharded: bool) -> list[int]:
+        return [s.size for s in self.layout.slots]
+
+    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
+        # Summed over each bucket, as the bucketed path sums it (bit for bit); XLA fuses the
+        # concatenation into the reduction: one fusion per bucket, not one per parameter.
+        slots = self.layout.slots
+        order = [sorted(b.slots, key=lambda i: slots[i].start) for b in self.layout.buckets]
+        return super().square_norm([jnp.concatenate([red[i] for i in o]) for o in order])
+
+    def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
+        leaves = self.layout._check_tree(grads, "pack")
+        return tuple(jnp.ravel(g).astype(dtype) for g in leaves)
+
+    def out_full(self, red: Sequence[jax.Array]) -> Any:
+        out = [r.reshape(s.shape) for r, s in zip(red, self.layout.slots, strict=True)]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, out)
+
+
 class PerParamOps(PlainOps):
     """:class:`jaxdp._nested.PlainOps` with one "bucket" per parameter: the accumulators, the
     collectives and the reduced shards are per-parameter arrays in layout leaf order."""
@@ -56,6 +116,11 @@ class PerParamOps(PlainOps):
         lay = self.layout
         self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
+        # XLA:CPU runs collectives one at a time in program order and combines no gathers:
+        # the data dependences that order them bucket by bucket on GPUs (one fused OR per
+        # parameter, jaxdp._order.after) would only cost compile time there (1,000 leaves:
+        # about 15% of stage 1's XLA compile).
+        self.ordered = self.group.mesh.devices.flat[0].platform != "cpu"
 
     def numels(self, sharded: bool) -> list[int]:
         dp = 1 if sharded else self.layout.dp_size
@@ -85,7 +150,7 @@ class PerParamOps(PlainOps):
         return gather_leaves(self._working(view), self.layout, self.axis)
 
     def gather_end(self, view: Any, axis: Any, last: Any) -> Any:
-        return gather_leaves(self._working(view), self.layout, axis, last)
+        return gather_leaves(self._working(view), self.layout, axis, last if self.ordered else None)
 
 
 def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any, last: Any = None) -> Any:

@@ -42,7 +42,12 @@ from ._kernels import (
 from ._layout import BucketLayout
 from ._nested import NestedOps, PlainOps
 from ._optim_check import check_optimizer
-from ._per_param import PerParamOps, per_parameter_collectives
+from ._per_param import (
+    AllReduceOps,
+    PerParamOps,
+    per_parameter_all_reduce,
+    per_parameter_collectives,
+)
 from ._sharding import ShardingPlan
 from ._strategy import Replicated, ShardedOpt, ShardedParams, Strategy
 from ._zero3_scan import find_stacks, finds_stacks, zero3_scan_value_and_grad
@@ -155,12 +160,16 @@ def _ops(
 ) -> PlainOps:
     """The gradient / param collectives' operations: nested regions when some parameter is
     split over an axis the step is not manual over (tensor parallelism); per parameter at
-    stages 1-2 where :func:`jaxdp._per_param.per_parameter_collectives` allows it; else per
+    stages 1-2 where :func:`jaxdp._per_param.per_parameter_collectives` allows it, and at
+    stage 0 where :func:`jaxdp._per_param.per_parameter_all_reduce` does (XLA:CPU); else per
     bucket."""
     if sharding.auto_axes:
         return NestedOps(layout, config, group, sharding)
     if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
         return PerParamOps(layout, config, group, sharding)
+    platform = group.mesh.devices.flat[0].platform
+    if config.zero_stage == 0 and per_parameter_all_reduce(config, layout, platform):
+        return AllReduceOps(layout, config, group, sharding)
     return PlainOps(layout, config, group, sharding)
 
 
@@ -201,7 +210,13 @@ def _strategy(
     kernel: Callable[..., Any]
     if stage == 0:
         kernel = ReduceAtEndPerParam if per_param_acc else ReduceAtEnd
-        return Replicated(kernel=kernel, master_codec=plain, params_codec=plain, **common)
+        return Replicated(
+            kernel=kernel,
+            master_codec=plain,
+            params_codec=plain,
+            per_parameter=isinstance(common["ops"], AllReduceOps),
+            **common,
+        )
     if stage in (1, 2):
         early = config.overlap_param_gather  # params kept sharded, gathered up front
         each: type[ScatterAtEnd | ScatterAtEndPerParam]

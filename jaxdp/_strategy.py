@@ -76,10 +76,14 @@ class Strategy:
         gathers_per_parameter: each parameter is gathered and reduce-scattered on its own,
             XLA combining them: ZeRO-3 (:func:`jaxdp._gather.make_leaf_gather`) and stages 1-2
             (:mod:`jaxdp._per_param`) with the interleaved layout.
+        reduces_per_parameter: each parameter's gradient is reduced by a collective of its
+            own, XLA combining them into bucket-sized ones (no bucket pack or unpack): stage 0
+            with a ``psum`` on the wire, and wherever ``gathers_per_parameter`` holds.
     """
 
     name = ""
     gathers_per_parameter = False
+    reduces_per_parameter = False
 
     def __init__(
         self,
@@ -240,12 +244,14 @@ class Strategy:
 
 
 class Replicated(Strategy):
-    """Stage 0: everything replicated over the data axis; one all-reduce per bucket."""
+    """Stage 0: everything replicated over the data axis; one all-reduce per bucket (or per
+    parameter, combined by XLA: :class:`jaxdp._per_param.AllReduceOps`)."""
 
     name = "replicated"
 
-    def __init__(self, **kw: Any):
+    def __init__(self, *, per_parameter: bool, **kw: Any):
         super().__init__(**kw)
+        self.reduces_per_parameter = per_parameter
         self.has_master = any(d != self.master_dtype for d in self.work_dtypes)
         self.grad_collectives = ("all-reduce",)
 
@@ -273,7 +279,7 @@ class ShardedOpt(Strategy):
         super().__init__(**kw)
         self.scatters = scatters_per_step
         self.params_sharded = params_sharded
-        self.gathers_per_parameter = per_parameter
+        self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
 
     def _gather(self, new: Any, params: Any, last: jax.Array) -> Any:
         return gather_params(new, last, self.master_codec, self.params_codec, self.ops)
@@ -296,7 +302,7 @@ class ShardedParams(Strategy):
 
     def __init__(self, *, per_parameter: bool, **kw: Any):
         super().__init__(**kw)
-        self.gathers_per_parameter = per_parameter
+        self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
 
     def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         return _cast_like(new_target, params), new_target

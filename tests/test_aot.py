@@ -80,11 +80,11 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
     assert n == 4
     kind, wire = grad_kind(stage, mode), MODES[mode][1]
 
-    # Bucketed (stage 0, the all_to_all mode): one collective per bucket per step in the
-    # straight-line region (the last micro-batch), none combined: every collective of the
+    # Bucketed (stage 0 on GPUs, the all_to_all mode): one collective per bucket per step in
+    # the straight-line region (the last micro-batch), none combined: every collective of the
     # gradient kind is exactly one bucket. Per parameter (stages 1-2 otherwise): XLA's
     # combiner groups the parameters' collectives into groups of at most one bucket.
-    per_param = dp.plan.strategy.gathers_per_parameter
+    per_param = dp.plan.strategy.reduces_per_parameter
     assert per_param == (stage > 0 and mode != "megatron")
     grads = gradient_collectives(report, dp)
     assert len(grads) >= n if per_param else len(grads) == n, report

@@ -65,8 +65,10 @@ def test_one_collective_per_bucket(stage, g, depth):
     assert n >= 2
     counts = lowered_counts(dp, state, batch)
     if stage == 0:
-        # one all-reduce per bucket + the loss mean; the norm of replicated grads is local
-        assert counts == dict.fromkeys(OPS, 0) | {"all_reduce": n + 1}
+        # one all-reduce per parameter (XLA's combiner groups them into buckets:
+        # jaxdp._per_param.AllReduceOps) + the loss mean; the norm of replicated grads is local
+        assert dp.plan.strategy.reduces_per_parameter
+        assert counts == dict.fromkeys(OPS, 0) | {"all_reduce": len(dp.layout.slots) + 1}
     else:
         # Stages 1-2 reduce-scatter and gather each parameter on its own (XLA's combiners
         # group them into buckets on GPUs: jaxdp._per_param): a count fixed by the leaves,

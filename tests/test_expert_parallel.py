@@ -135,10 +135,13 @@ def test_expert_buffers_reduce_over_the_expert_dp_group_only(setup, by):
         key = "expert_dp" if groups == expert_dp else "dense" if groups == dense_dp else None
         key = key or ("expert_axis" if groups == expert_ax else str(groups))
         by_group.setdefault(key, []).append(op)
-    # One all-reduce per expert bucket over the expert-DP group (size 2) and nothing else there.
-    assert by_group["expert_dp"] == ["all_reduce"] * len(expert)
-    # Dense buckets and the loss mean over all 8 ranks.
-    assert by_group["dense"] == ["all_reduce"] * (len(dense) + 1)
+    # One all-reduce per expert parameter (XLA combines them into buckets:
+    # jaxdp._per_param.AllReduceOps) over the expert-DP group (size 2) and nothing else there.
+    assert dp.plan.strategy.reduces_per_parameter
+    n_expert, n_dense = (sum(len(b.slots) for b in bs) for bs in (expert, dense))
+    assert by_group["expert_dp"] == ["all_reduce"] * n_expert
+    # Dense parameters and the loss mean over all 8 ranks.
+    assert by_group["dense"] == ["all_reduce"] * (n_dense + 1)
     # Over the expert axis: the layer's own dispatch (all_gather / reduce_scatter, forward and
     # backward) and the experts' squared-norm sum.
     assert set(by_group) == {"expert_dp", "dense", "expert_axis"}

@@ -111,6 +111,11 @@ def test_strategy_contract(cls, cfg, model):
         and not dp.layout.stacked
         and (cls is ShardedParams or not (a2a or model == "tp"))
     )
+    # Stage 0 all-reduces per parameter too, with a psum on the wire and params whole here.
+    assert s.reduces_per_parameter == (
+        s.gathers_per_parameter
+        or (cls is Replicated and not a2a and model != "tp" and not dp.layout.stacked)
+    )
 
 
 def test_unsupported_combinations_are_one_table():

@@ -140,8 +140,8 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     collective that XLA combined from several buckets matches no bucket and gets ``""``.
 
     At ``zero_stage=3`` with the interleaved layout (:func:`jaxdp._gather.make_leaf_gather`),
-    and at stages 1-2 in the bf16 and fp32-wire modes (:mod:`jaxdp._per_param`), jaxdp gathers
-    and reduce-scatters each parameter on its own and XLA's combiners merge
+    and at stages 0-2 in the bf16 and fp32-wire modes (:mod:`jaxdp._per_param`), jaxdp gathers
+    and reduces (stage 0: all-reduces) each parameter on its own and XLA's combiners merge
     them into groups of at most one bucket (:func:`jaxdp.combine_thresholds`): an all-gather in
     the working dtype, or a gradient collective in the wire dtype, of at most the largest
     bucket's elements is a ``"param group"`` / ``"grad group"``. Collectives of the micro-batch
@@ -152,7 +152,7 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     biggest = max(numels)
     strategy = dp.plan.strategy
     grad = strategy.grad_collectives
-    groups = strategy.gathers_per_parameter
+    groups, reduced = strategy.gathers_per_parameter, strategy.reduces_per_parameter
     wire = {_HLO_DTYPES.get(jnp.dtype(b.grad_dtype).name) for b in dp.layout.buckets}
     work = {_HLO_DTYPES.get(jnp.dtype(b.dtype).name) for b in dp.layout.buckets}
     roles = []
@@ -161,7 +161,7 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
             roles.append("grad bucket")
         elif c.elements in numels and c.operands == 1 and c.kind == "all-gather":
             roles.append("param bucket")
-        elif groups and 0 < c.elements <= biggest and c.kind in grad and c.dtype in wire:
+        elif reduced and 0 < c.elements <= biggest and c.kind in grad and c.dtype in wire:
             roles.append("grad group")
         elif groups and 0 < c.elements <= biggest and c.kind == "all-gather" and c.dtype in work:
             roles.append("param group")
