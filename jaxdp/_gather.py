@@ -289,7 +289,9 @@ def make_leaf_gather(
             parts, div = {}, 1
             for i, ct in zip(slots, cts, strict=True):
                 flat = layout._leaf_to_global(i, ct, acc_dt)
-                parts[i], div = _reduce_one(flat, b, layout, config, num_microbatches, deferred)
+                # deferred even with one micro-batch: a power-of-two scale is left to the
+                # final division (_reduce_one), the same bits without a pass over the gradient
+                parts[i], div = _reduce_one(flat, b, layout, config, num_microbatches, True)
             red = layout._fill(b, parts, parts[slots[0]].dtype)
         else:
             leaves: list[Any] = [None] * len(layout.slots)

@@ -51,6 +51,14 @@ __all__ = [
 ]
 
 
+def _plus(acc: Any, red: Any, dtype: Any) -> tuple[jax.Array, ...]:
+    """``acc + red`` elementwise in ``dtype``; ``acc`` is ``None`` for the first (with one
+    micro-batch, the only) addend: no zeros to build and add."""
+    if acc is None:
+        return tuple(r.astype(dtype) for r in red)
+    return tuple(a + r.astype(dtype) for a, r in zip(acc, red, strict=True))
+
+
 def _finite_flags(grads: Any) -> jax.Array:
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
 
@@ -90,7 +98,8 @@ class Kernel:
         raise NotImplementedError
 
     def acc0(self) -> Any:
-        """The zero accumulator."""
+        """The zero accumulator (used with micro-batches; with one, the first addend starts
+        it: :meth:`micro` takes ``acc=None``)."""
         raise NotImplementedError
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
@@ -114,6 +123,14 @@ class _Sharded(Kernel):
 
     def square_norm(self, red: Any) -> jax.Array:
         return self.ops.group_sum(self.ops.square_norm(red))
+
+    def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
+        # Reduce-scattered as a micro-batch is, then divided once in main_grads_dtype: the
+        # same bits as the final collective (jaxdp._reduce._reduce_one), but a power-of-two
+        # 1/(G dp) is applied to this rank's shard, fused into the update, rather than to the
+        # whole gradient before the wire in a pass of its own.
+        red, divisors = self.ops.reduce_microbatch(packed, self.g)
+        return finish_deferred(tuple(r.astype(self.acc_dt) for r in red), divisors)
 
 
 class ReduceAtEnd(Kernel):
@@ -141,7 +158,7 @@ class ReduceAtEnd(Kernel):
 
     def _add(self, acc: Any, grads: Any) -> Any:
         flat = self.ops.pack(grads, self.acc_dt)
-        return tuple(a + f for a, f in zip(acc, flat, strict=True))
+        return flat if acc is None else tuple(a + f for a, f in zip(acc, flat, strict=True))
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
         wv, grad_fn, _ = ctx
@@ -152,7 +169,10 @@ class ReduceAtEnd(Kernel):
         return out, acc, ok
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        return self.ops.reduce(acc, self.g)
+        return self._collective(acc)
+
+    def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
+        return self.ops.reduce(packed, self.g)
 
     def order_last(self, last: Any, loss: Any) -> Any:
         # The last micro-batch does not depend on the scan, and XLA's scheduler hoists its
@@ -179,6 +199,8 @@ class _PerParamAccumulator(ReduceAtEnd):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.acc_shapes)
 
     def _add(self, acc: Any, grads: Any) -> Any:
+        if acc is None:
+            return jax.tree.map(lambda g: g.astype(self.acc_dt), grads)
         return jax.tree.map(lambda a, g: a + g.astype(self.acc_dt), acc, grads)
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
@@ -206,7 +228,7 @@ class ReduceEachMicrobatch(ScatterAtEnd):
     def _add(self, acc: Any, grads: Any) -> Any:
         red, divs = self.ops.reduce_microbatch(self.ops.pack(grads, self.acc_dt), self.g)
         self.divisors.append(divs)  # static ints, the same at every trace
-        return tuple(a + r.astype(self.acc_dt) for a, r in zip(acc, red, strict=True))
+        return _plus(acc, red, self.acc_dt)
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
         # one correctly rounded division of the accumulated sums
@@ -251,7 +273,7 @@ class GatherInGrad(_Sharded, Kernel):
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
         out, (red, bad) = self.vg(self.accs0, self.flags0, ctx, mb)
         self.divisors.append(tuple(self.z3_divisors[-len(self.layout.buckets) :]))
-        acc = tuple(a + r.astype(self.acc_dt) for a, r in zip(acc, red, strict=True))
+        acc = _plus(acc, red, self.acc_dt)
         if self.config.check_for_nan_in_grad:
             bad = self.ops.bucket_flags(bad)
             ok = ok & (jnp.stack([bad[bi][j] for bi, j in self.slot_pos]) == 0)

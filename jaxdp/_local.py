@@ -99,9 +99,10 @@ def local_gradients(
     ok0 = jnp.ones((len(kernel.layout.slots),), bool)
     zero = jnp.zeros((), jnp.float32)
     # The scan carry must be varying like the per-device gradients it accumulates.
+    # With one micro-batch the accumulator starts as its gradient (no zeros to add to).
     carry = jax.tree.map(
         lambda v: jax.lax.pcast(v, axis, to="varying"),
-        (kernel.acc0(), zero, zero, ok0, aux0, model_state),
+        (kernel.acc0() if g > 1 else None, zero, zero, ok0, aux0, model_state),
     )
     if g > 1:
         head = jax.tree.map(lambda x: x[:-1], mbs)

