@@ -1,4 +1,4 @@
-"""Stages 1-2 without bucket copies: one collective per parameter, combined by XLA.
+"""Stages 0-2 without bucket copies: one collective per parameter, combined by XLA.
 
 The bucketed path (:class:`jaxdp._nested.PlainOps`) packs every gradient into a flat bucket
 before its reduce-scatter and splits every gathered bucket back into parameters afterwards: two
@@ -16,6 +16,11 @@ The numerics are the bucketed path's: each parameter goes through the same
 same sums over the same ranks). The all_to_all modes (``reduce_scatter_with_fp32_accumulation``,
 ``deterministic_reduction``) and ``bucket_layout="megatron"`` keep explicit buckets
 (:func:`per_parameter_collectives`).
+
+Stage 0 on XLA:CPU all-reduces per parameter the same way (:class:`AllReduceOps`,
+:func:`per_parameter_all_reduce`): there the bucketed path's cost is compile time (a slice of
+a bucket fused into every optimizer update); on GPUs stage 0 keeps its buckets, because
+XLA:GPU copies a combined all-reduce's operands into one buffer and back.
 """
 
 from __future__ import annotations
