@@ -74,6 +74,11 @@ class ReductionGroup:
         return self.data_axis if self.expert_axis is None else self.manual_axes
 
     @property
+    def platform(self) -> str:
+        """The mesh's device platform (``"cpu"``, ``"gpu"``, ...; compile-only H100s: ``"gpu"``)."""
+        return str(self.mesh.devices.flat[0].platform)
+
+    @property
     def size(self) -> int:
         """The dense data-parallel size (the number of ranks a batch is split over)."""
         return math.prod(int(self.mesh.shape[a]) for a in self.manual_axes)

@@ -76,7 +76,29 @@ def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout, platform: 
     )
 
 
-class AllReduceOps(PlainOps):
+class _PerParameter(PlainOps):
+    """:class:`jaxdp._nested.PlainOps` with one "bucket" per parameter: the accumulators, the
+    collectives and the reduced arrays are per-parameter arrays in layout leaf order, each
+    reduced with its own bucket's wire dtype and group."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        lay = self.layout
+        self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
+        self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
+
+    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
+        # Summed over each bucket as the bucketed path (and stage 3) sums it, the bucket
+        # rebuilt by the layout's own fill (gaps and padding zero), so the norm is theirs bit
+        # for bit; XLA fuses the concatenation into the reduction.
+        lay = self.layout
+        buckets = [
+            lay._fill(b, {i: red[i] for i in b.slots}, red[b.slots[0]].dtype) for b in lay.buckets
+        ]
+        return super().square_norm(buckets)
+
+
+class AllReduceOps(_PerParameter):
     """Stage 0 with one all-reduce per parameter, combined by XLA (XLA:CPU only, see
     :func:`per_parameter_all_reduce`).
 
@@ -87,21 +109,8 @@ class AllReduceOps(PlainOps):
     no padding: an all-reduce needs none), so there is neither a pack nor an unpack. The sums
     are the bucketed path's, elementwise, and so is the norm (summed over each bucket)."""
 
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        lay = self.layout
-        self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
-        self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
-
     def numels(self, sharded: bool) -> list[int]:
         return [s.size for s in self.layout.slots]
-
-    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
-        # Summed over each bucket, as the bucketed path sums it (bit for bit); XLA fuses the
-        # concatenation into the reduction: one fusion per bucket, not one per parameter.
-        slots = self.layout.slots
-        order = [sorted(b.slots, key=lambda i: slots[i].start) for b in self.layout.buckets]
-        return super().square_norm([jnp.concatenate([red[i] for i in o]) for o in order])
 
     def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
         leaves = self.layout._check_tree(grads, "pack")
@@ -112,33 +121,21 @@ class AllReduceOps(PlainOps):
         return jax.tree_util.tree_unflatten(self.layout.treedef, out)
 
 
-class PerParamOps(PlainOps):
-    """:class:`jaxdp._nested.PlainOps` with one "bucket" per parameter: the accumulators, the
-    collectives and the reduced shards are per-parameter arrays in layout leaf order."""
+class PerParamOps(_PerParameter):
+    """Stages 1-2: each parameter's gradient reduce-scattered into its shard of the
+    interleaved view, and each shard gathered back, on its own."""
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
-        lay = self.layout
-        self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
-        self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
         # XLA:CPU runs collectives one at a time in program order and combines no gathers:
         # the data dependences that order them bucket by bucket on GPUs (one fused OR per
         # parameter, jaxdp._order.after) would only cost compile time there (1,000 leaves:
         # about 15% of stage 1's XLA compile).
-        self.ordered = self.group.mesh.devices.flat[0].platform != "cpu"
+        self.ordered = self.group.platform != "cpu"
 
     def numels(self, sharded: bool) -> list[int]:
         dp = 1 if sharded else self.layout.dp_size
         return [(s.end - s.start) * dp for s in self.layout.slots]
-
-    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
-        # Summed over each bucket's shard as the bucketed path (and stage 3) sums it, so the
-        # norm is theirs bit for bit; XLA fuses the concatenation into the reduction.
-        lay = self.layout
-        shards = [
-            lay._fill(b, {i: red[i] for i in b.slots}, red[b.slots[0]].dtype) for b in lay.buckets
-        ]
-        return super().square_norm(shards)
 
     def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
         leaves = self.layout._check_tree(grads, "pack")

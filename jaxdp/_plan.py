@@ -167,8 +167,7 @@ def _ops(
         return NestedOps(layout, config, group, sharding)
     if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
         return PerParamOps(layout, config, group, sharding)
-    platform = group.mesh.devices.flat[0].platform
-    if config.zero_stage == 0 and per_parameter_all_reduce(config, layout, platform):
+    if config.zero_stage == 0 and per_parameter_all_reduce(config, layout, group.platform):
         return AllReduceOps(layout, config, group, sharding)
     return PlainOps(layout, config, group, sharding)
 
