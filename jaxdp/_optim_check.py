@@ -62,11 +62,9 @@ def _structure_check(optimizer: Any, layout: BucketLayout, dtype: Any) -> None:
     for (kp, a), (_, b) in zip(full_leaves, view_leaves, strict=True):
         if a.shape == b.shape:
             continue
-        if (
-            len(b.shape) == 1
-            and a.shape
-            and b.shape[0] == _padded(math.prod(a.shape), layout.dp_size)
-        ):
+        # A parameter's state follows its view: 1-D, the size padded to a multiple of dp (a
+        # scalar parameter, shape (), has a view of dp elements).
+        if len(b.shape) == 1 and b.shape[0] == _padded(math.prod(a.shape), layout.dp_size):
             continue
         raise ValueError(
             f"DataParallel.init: optimizer state leaf {jax.tree_util.keystr(kp)} has shape "

@@ -6,7 +6,7 @@ import optax
 import pytest
 from _models import make_batch, max_rel_err, mlp_params, mse_loss, reference_train
 
-from jaxdp import DataParallel, DDPConfig
+from jaxdp import DataParallel, DDPConfig, make_mesh
 
 PARAMS = mlp_params()
 BATCHES = [make_batch(32, seed=s) for s in range(4)]
@@ -92,3 +92,28 @@ def test_megatron_layout_rejects_tree_masks():
     )
     with pytest.raises(ValueError, match="updates parameter"):
         lamb.init(PARAMS)  # per-bucket trust ratios would be wrong
+
+
+def scaled_loss(params, batch):
+    """``mse_loss`` with a learnable scalar temperature (shape ``()``, as CLIP's logit scale)."""
+    return mse_loss(params["mlp"], batch) * jnp.exp(params["log_scale"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dp", [3, 8])
+def test_scalar_parameter_matches_reference(stage, dp):
+    # A shape-() parameter's sharded view is dp elements (one value, zero-padded), and so is
+    # its Adam state: the structure check must accept it, and the update must match.
+    params = {"mlp": PARAMS, "log_scale": jnp.asarray(0.25)}
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    batches = [make_batch(24, seed=s) for s in range(4)]  # 24: a multiple of 3 and of 8
+    ref, _ = reference_train(scaled_loss, opt, params, batches)
+    mesh = make_mesh(jax.devices()[:dp])
+    dp_ = DataParallel(scaled_loss, opt, DDPConfig(zero_stage=stage, bucket_size=300), mesh=mesh)
+    state = dp_.init(params)
+    assert state.master["log_scale"].shape == (dp,)
+    for b in batches:
+        state, _ = dp_.step(state, dp_.shard_batch(b))
+    got = dp_.params(state)
+    assert got["log_scale"].shape == ()
+    assert max_rel_err(got, ref) < 1e-6
