@@ -316,9 +316,19 @@ class CheckpointManager:
                 f"engine's optimizer (first difference: {diff}). Fix: use the optimizer the "
                 "checkpoint was trained with."
             )
+        # Read the weights of record exactly as they were written: the params in their saved
+        # dtype, the master (if any) in fp32 or wider; Strategy.from_canonical casts them to
+        # this engine's dtypes (an fp32 run's params into a bf16 run's master, say).
+        dtypes = [jnp.dtype(d) for _, _, d in meta["params"]]
+        canonical["params"] = {
+            _key(i): jax.ShapeDtypeStruct(canonical["params"][_key(i)].shape, dt)
+            for i, dt in enumerate(dtypes)
+        }
         if meta["has_master"]:
-            if "master" not in canonical:
-                canonical["master"] = canonical["params"]
+            canonical["master"] = {
+                k: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+                for k, x in canonical["params"].items()
+            }
         else:
             canonical.pop("master", None)
         return canonical

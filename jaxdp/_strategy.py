@@ -216,13 +216,16 @@ class Strategy:
         return params, master, opt
 
     def from_canonical(self, step: Any, params: Any, master: Any, opt: Any) -> TrainState:
-        """Inverse of :meth:`to_canonical`. ``master`` may be ``None`` (a checkpoint written
-        without master weights: its params are fp32, and become the master weights)."""
-        work = self._work(params)
+        """Inverse of :meth:`to_canonical`, from another strategy's checkpoint too. The weights
+        of record are ``master`` where the checkpoint has it, else ``params`` (a checkpoint
+        written without master weights, whose params are fp32): this strategy's working params
+        and master are both cast from them, so restoring a bf16 run into an fp32 one (or the
+        reverse) loses nothing the checkpoint held."""
+        record = params if master is None else master
+        work = self._work(record)
         abstract = jax.eval_shape(self.init_state, work)
-        full_master = params if master is None else master
         new_master = (
-            self.master_codec.to_view(full_master, self.master_dtype) if self.has_master else None
+            self.master_codec.to_view(record, self.master_dtype) if self.has_master else None
         )
         codec = self.master_codec if self.has_master else self.params_codec
         opt = codec.opt_to_view(opt, abstract.opt_state)
