@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     if quick and args.plots is None:
         args.plots = tempfile.mkdtemp(prefix="jaxdp-bench-plots-")
+    if args.plots is not None:
+        os.makedirs(args.plots, exist_ok=True)  # before minutes of benchmarks, not after
     t_start = time.perf_counter()
 
     if quick:
@@ -298,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         layout, layout_log, t_layout = _run(bench_layout.main)
         step, _, t_step = _run(bench_step.main)
-    memory, _, t_memory = _run(bench_memory.main)
-    gpu_memory, _, t_gpu = _run(bench_memory_gpu.main)
+    memory, _, t_memory = _run(lambda: bench_memory.main(quick=quick))
+    gpu_memory, _, t_gpu = _run(lambda: bench_memory_gpu.main(quick=quick))
     comm, _, t_comm = _run(lambda: bench_comm.main(quick=quick))
     numerics, _, t_num = _run(lambda: bench_numerics.main(quick=quick, plots=args.plots))
     compile_, _, t_compile = _run(lambda: bench_compile.main(quick=quick))

@@ -7,10 +7,32 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit
+import shutil
+import tempfile
+
 import jax
 import pytest
 
 jax.config.update("jax_enable_x64", False)
+
+# Many tests compile the same program (an engine and its reference on the same model and
+# config): a persistent compilation cache private to this test session serves the repeats
+# (about a fifth of the suite's time). Set here, not in the environment, so that the scripts
+# the tests start as subprocesses compile as a user's run would.
+_XLA_CACHE = tempfile.mkdtemp(prefix="jaxdp-tests-xla-cache-")
+atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_configure(config):
+    # Programs compiled for compile-only H100s are written to the cache too, but a client with
+    # no devices cannot load one back: jax warns and compiles it again, as without the cache.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Error reading persistent compilation cache entry:UserWarning"
+    )
 
 
 def pytest_report_header(config):
