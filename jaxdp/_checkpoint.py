@@ -187,16 +187,44 @@ class CheckpointManager:
         }
 
     def _canonical_shardings(self, abstract: Any) -> Any:
-        """Split each canonical array's first axis over the data axis where it divides evenly
-        (each process then writes and reads only its part); replicate the rest."""
+        """Split each canonical array over the data axis where it divides evenly (each process
+        then writes and reads only its part), replicate the rest. A parameter-shaped array
+        (params, master, the optimizer's moments) keeps its parameter's split over the other
+        mesh axes (tensor parallelism) and takes the data axis on its first free dimension:
+        moving a model-split weight to a data split of the same dimension would make XLA
+        gather the whole weight on every device ("involuntary full rematerialization")."""
         mesh, axis, dp = self.engine.mesh, self.engine.config.data_axis, self.engine.dp
 
-        def spec(x: Any) -> NamedSharding:
-            if x.ndim >= 1 and x.shape[0] % dp == 0:
-                return NamedSharding(mesh, P(axis))
-            return NamedSharding(mesh, P())
+        def spec(x: Any, model: Any = None) -> NamedSharding:
+            entries = [None if e == axis else e for e in (model or ())]
+            entries += [None] * (x.ndim - len(entries))
+            if not any(entries):  # unsplit: the first axis, where it divides
+                split = x.ndim >= 1 and x.shape[0] % dp == 0
+                return NamedSharding(mesh, P(axis) if split else P())
+            free = [d for d, e in enumerate(entries) if e is None and x.shape[d] % dp == 0]
+            if free:
+                entries[free[0]] = axis
+            return NamedSharding(mesh, P(*entries))
 
-        return jax.tree.map(spec, abstract)
+        out = jax.tree.map(spec, abstract)
+        specs = self.engine.plan.sharding.param_specs()
+        if not any(any(sp) for sp in specs):  # a 1-D mesh: nothing is split over other axes
+            return out
+        for name in ("params", "master"):
+            if name in abstract:
+                out[name] = {k: spec(x, specs[int(k)]) for k, x in abstract[name].items()}
+        # Optimizer-state leaves belong to the parameter whose key path ends theirs and whose
+        # shape they have (as jaxdp._codec.Codec._match, on the parameters' own shapes).
+        shapes = [tuple(abstract["params"][_key(i)].shape) for i in range(len(specs))]
+        key_paths = self._strategy.params_codec.key_paths
+        opt_paths = jax.tree_util.tree_flatten_with_path(self._canonical_opt_abstract())[0]
+        for j, (path, _) in enumerate(opt_paths):
+            k, x = _key(j), abstract["opt_state"][_key(j)]
+            for i, kp in enumerate(key_paths):
+                if kp and tuple(path)[-len(kp) :] == kp and tuple(x.shape) == shapes[i]:
+                    out["opt_state"][k] = spec(x, specs[i])
+                    break
+        return out
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: TrainState) -> None:
