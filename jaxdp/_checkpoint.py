@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._codec import owner
 from ._engine import DataParallel
 from ._state import TrainState
 
@@ -213,17 +214,15 @@ class CheckpointManager:
         for name in ("params", "master"):
             if name in abstract:
                 out[name] = {k: spec(x, specs[int(k)]) for k, x in abstract[name].items()}
-        # Optimizer-state leaves belong to the parameter whose key path ends theirs and whose
-        # shape they have (as jaxdp._codec.Codec._match, on the parameters' own shapes).
-        shapes = [tuple(abstract["params"][_key(i)].shape) for i in range(len(specs))]
+        # Optimizer-state leaves, by the parameter they belong to (on its own shape).
+        shapes = [abstract["params"][_key(i)].shape for i in range(len(specs))]
         key_paths = self._strategy.params_codec.key_paths
         opt_paths = jax.tree_util.tree_flatten_with_path(self._canonical_opt_abstract())[0]
         for j, (path, _) in enumerate(opt_paths):
-            k, x = _key(j), abstract["opt_state"][_key(j)]
-            for i, kp in enumerate(key_paths):
-                if kp and tuple(path)[-len(kp) :] == kp and tuple(x.shape) == shapes[i]:
-                    out["opt_state"][k] = spec(x, specs[i])
-                    break
+            x = abstract["opt_state"][_key(j)]
+            i = owner(key_paths, shapes, path, x.shape)
+            if i is not None:
+                out["opt_state"][_key(j)] = spec(x, specs[i])
         return out
 
     # ------------------------------------------------------------------ save

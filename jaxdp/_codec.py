@@ -27,7 +27,19 @@ from jax.sharding import PartitionSpec as P
 from ._layout import BucketLayout
 from ._sharding import ShardingPlan
 
-__all__ = ["BlockCodec", "Codec", "InterleavedCodec", "MegatronCodec", "ParamCodec"]
+__all__ = ["BlockCodec", "Codec", "InterleavedCodec", "MegatronCodec", "ParamCodec", "owner"]
+
+
+def owner(key_paths: Any, shapes: Any, path: Any, shape: tuple[int, ...]) -> int | None:
+    """The parameter an optimizer-state leaf belongs to: the first whose key path ends the
+    leaf's and whose shape (``shapes[i]``: its view's, or its own) is the leaf's; ``None``
+    for the rest (step counts)."""
+    path, shape = tuple(path), tuple(shape)
+    for i, (kp, want) in enumerate(zip(key_paths, shapes, strict=True)):
+        n = len(kp)
+        if n and path[-n:] == kp and shape == tuple(want):
+            return i
+    return None
 
 
 def _same_def(tree: Any, treedef: Any) -> bool:
@@ -109,14 +121,8 @@ class Codec:
         return local_view
 
     def _match(self, path: Any, shape: tuple[int, ...]) -> int | None:
-        """The parameter an optimizer-state leaf belongs to: its key path ends with the
-        parameter's and its shape is the parameter's view shape."""
-        path, shape = tuple(path), tuple(shape)
-        for i, (kp, want) in enumerate(zip(self.key_paths, self._view_shapes, strict=True)):
-            n = len(kp)
-            if n and path[-n:] == kp and shape == want:
-                return i
-        return None
+        """The parameter an optimizer-state leaf over the view belongs to (:func:`owner`)."""
+        return owner(self.key_paths, self._view_shapes, path, shape)
 
     @functools.cached_property
     def _view_shapes(self) -> list[tuple[int, ...]]:
