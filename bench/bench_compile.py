@@ -13,6 +13,10 @@ Times are process CPU seconds (``time.process_time``): compilation is single-thr
 time is robust against other load on the machine, unlike wall time. ``init`` is split into the
 layout, the optimizer probe (``jaxdp._optim_check``) and the rest.
 
+A second table isolates one cost of the step's shape: compile time against the number of
+operands of one ``shard_map`` (:func:`shard_map_operands`), against plain ``jit`` and against
+the same work split into ``shard_map`` s of 100.
+
 Run: ``python bench/bench_compile.py [--quick]``.
 """
 
@@ -200,6 +204,56 @@ def _h100_mesh() -> Any:
         return None
 
 
+def shard_map_operands(n: int, mesh: Any, chunk: int | None) -> float:
+    """XLA:CPU compile seconds of ``x * 2`` over ``n`` replicated 2,048-element arrays: in one
+    ``jit`` without ``shard_map`` (``chunk=0``), in one ``shard_map`` with ``n`` operands and
+    ``n`` results (``chunk=None``), or in ``shard_map`` s of ``chunk`` operands each. The step's
+    ``shard_map`` s take every parameter (and return every gradient) as an operand of their own;
+    this isolates what that costs the compiler."""
+    spec = NamedSharding(mesh, P())
+    xs = [jax.ShapeDtypeStruct((2048,), jnp.float32, sharding=spec) for _ in range(n)]
+
+    def double(ys: list[Any]) -> list[Any]:
+        return [y * 2 for y in ys]
+
+    def mapped(ys: list[Any]) -> list[Any]:
+        return jax.shard_map(double, mesh=mesh, in_specs=(P(),), out_specs=P())(ys)
+
+    if chunk == 0:
+        fn: Callable[[Any], Any] = double
+    elif chunk is None:
+        fn = mapped
+    else:
+        size = chunk
+
+        def fn(ys: list[Any]) -> list[Any]:
+            return [z for i in range(0, n, size) for z in mapped(ys[i : i + size])]
+
+    lowered = jax.jit(fn).lower(xs)
+    t = time.process_time()
+    lowered.compile()
+    return time.process_time() - t
+
+
+def operand_rows(counts: tuple[int, ...]) -> list[dict[str, float]]:
+    mesh = jaxdp.make_mesh()
+    rows = []
+    for n in counts:
+        row = {
+            "operands": float(n),
+            "jit": shard_map_operands(n, mesh, 0),
+            "one": shard_map_operands(n, mesh, None),
+            "chunked": shard_map_operands(n, mesh, 100),
+        }
+        print(
+            f"{n:5d} operands: jit {row['jit']:.2f}s  one shard_map {row['one']:.2f}s  "
+            f"shard_maps of 100 {row['chunked']:.2f}s",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
 def run(layer_counts: tuple[int, ...], rounds: int) -> dict[str, Any]:
     targets = {"CPU (8 simulated devices)": (jaxdp.make_mesh(), False)}
     h100 = _h100_mesh()
@@ -261,11 +315,27 @@ def markdown(res: dict[str, Any]) -> str:
         f"\nProcess CPU seconds, median of {res['rounds']} fresh engine(s) (one at 1,000 leaves; "
         "plain jit: twice as many runs, timed around them)."
     )
+    if res.get("operands"):
+        lines += [
+            "",
+            "XLA:CPU compile seconds of `x * 2` over N replicated arrays of 2,048 floats: plain "
+            "`jit`, one `shard_map` with N operands and N results, and N/100 `shard_map`s of 100:",
+            "",
+            "| operands N | plain jit s | one shard_map s (ratio) | shard_maps of 100 s (ratio) |",
+            "|---:|---:|---:|---:|",
+        ]
+        for r in res["operands"]:
+            lines.append(
+                f"| {r['operands']:.0f} | {r['jit']:.2f} | {r['one']:.2f} "
+                f"({r['one'] / r['jit']:.2f}x) | {r['chunked']:.2f} "
+                f"({r['chunked'] / r['jit']:.2f}x) |"
+            )
     return "\n".join(lines)
 
 
 def main(quick: bool = False) -> dict[str, Any]:
     res = run((5,) if quick else (5, 50, 500), rounds=1 if quick else 2)
+    res["operands"] = operand_rows((300,) if quick else (300, 1000, 3000))
     res["markdown"] = markdown(res)
     return res
 

@@ -88,7 +88,27 @@ at {big["leaves"]} leaves, the largest item after XLA. What we tried and dropped
 `--xla_cpu_use_fusion_emitters=false` (slice fusions 4x cheaper, the whole step slower to
 compile), building buckets with `dynamic_update_slice` (slower), jitting the optimizer probe
 (slower than op by op for 100+ leaves: 1,000 leaves 15 s), disabling Python's garbage collector
-during `init` and lowering (10-25% of them, a process-wide side effect)."""
+during `init` and lowering (10-25% of them, a process-wide side effect).{_operand_reading(res)}"""
+
+
+def _operand_reading(res: dict[str, Any]) -> str:
+    rows = res.get("operands") or []
+    if not rows:
+        return ""
+    big, small = rows[-1], rows[0]
+    return f"""
+
+*Operands of a `shard_map`* (last table) cost the compiler more than linearly: one `shard_map`
+of N operands and N results compiles in {small["one"] / small["jit"]:.1f}x plain `jit` at
+N = {small["operands"]:.0f} and {big["one"] / big["jit"]:.1f}x at N = {big["operands"]:.0f}, the
+same work split into `shard_map`s of 100 in {big["chunked"] / big["jit"]:.1f}x (`perf`: Shardy's
+`eraseManualAxes` rebuilds every operand's sharding for each operand, and the SPMD partitioner
+copies the tuple of all of them per element). jaxdp's step has one operand per parameter in
+each of its `shard_map`s (the local gradients: params in, gradients out; at stages 1-2 also the
+gather: shards in, params out), so part of the gap is this upstream cost. Not the larger part:
+the gather split into `shard_map`s of 100 parameters (measured once by hand, 1,000 leaves)
+compiled 0.6 s faster of stage 1's 16.6 s, and the gradients cannot be split that way (one
+`value_and_grad` makes them all)."""
 
 
 def scaling_reading(res: dict[str, Any]) -> str:
