@@ -269,7 +269,9 @@ def build_plan(
             "for a different model."
         )
     strategy = _strategy(config, layout, sharding, group, optimizer)
-    check_optimizer(optimizer, layout, strategy.master_dtype)
+    if previous is None or previous.strategy.optimizer is not optimizer:
+        # a re-init with the same optimizer (and, checked above, the same layout) passed before
+        check_optimizer(optimizer, layout, strategy.master_dtype)
     return Plan(
         group=group,
         sharding=sharding,

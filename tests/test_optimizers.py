@@ -82,6 +82,30 @@ def test_shape_dependent_optimizers_are_rejected(name, opt, params, fragment):
     DataParallel(mse_loss, opt(), DDPConfig(zero_stage=0)).init(params())
 
 
+def test_probe_under_eval_shape_and_reinit(monkeypatch):
+    """The numeric probe runs on a thread of its own (outside the caller's trace): under
+    ``jax.eval_shape`` (``jaxdp.aot``, ``jaxdp-train --resume``) it still refuses, with the
+    same message, and a second ``init`` with the same optimizer does not probe again."""
+    bad = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    dp = DataParallel(mse_loss, bad, DDPConfig(zero_stage=1))
+    with pytest.raises(ValueError, match=r"updates parameter .*layer0"):
+        jax.eval_shape(dp.init, PARAMS)
+
+    import jaxdp._optim_check as optim_check
+
+    calls = []
+    probe = optim_check._numeric_check
+    monkeypatch.setattr(optim_check, "_numeric_check", lambda *a: calls.append(1) or probe(*a))
+    dp = DataParallel(mse_loss, optax.adam(1e-2), DDPConfig(zero_stage=1))
+    abstract = jax.eval_shape(dp.init, PARAMS)
+    n = jax.device_count()
+    assert abstract.master["layer0"]["w"].shape == (-(-6 * 16 // n) * n,)
+    state = dp.init(PARAMS)  # same optimizer, same layout: checked once
+    assert calls == [1]
+    state, _ = dp.step(state, dp.shard_batch(BATCHES[0]))
+    assert int(state.step) == 1
+
+
 def test_megatron_layout_rejects_tree_masks():
     opt = optax.adamw(1e-2, mask=NOT_BIAS)
     dp = DataParallel(mse_loss, opt, DDPConfig(zero_stage=1, bucket_layout="megatron"))
