@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._codec import owner
+from ._codec import Owners
 from ._engine import DataParallel
 from ._state import TrainState
 
@@ -218,9 +218,10 @@ class CheckpointManager:
         shapes = [abstract["params"][_key(i)].shape for i in range(len(specs))]
         key_paths = self._strategy.params_codec.key_paths
         opt_paths = jax.tree_util.tree_flatten_with_path(self._canonical_opt_abstract())[0]
+        owner = Owners(key_paths, shapes)
         for j, (path, _) in enumerate(opt_paths):
             x = abstract["opt_state"][_key(j)]
-            i = owner(key_paths, shapes, path, x.shape)
+            i = owner(path, x.shape)
             if i is not None:
                 out["opt_state"][_key(j)] = spec(x, specs[i])
         return out

@@ -27,19 +27,34 @@ from jax.sharding import PartitionSpec as P
 from ._layout import BucketLayout
 from ._sharding import ShardingPlan
 
-__all__ = ["BlockCodec", "Codec", "InterleavedCodec", "MegatronCodec", "ParamCodec", "owner"]
+__all__ = ["BlockCodec", "Codec", "InterleavedCodec", "MegatronCodec", "Owners", "ParamCodec"]
 
 
-def owner(key_paths: Any, shapes: Any, path: Any, shape: tuple[int, ...]) -> int | None:
-    """The parameter an optimizer-state leaf belongs to: the first whose key path ends the
-    leaf's and whose shape (``shapes[i]``: its view's, or its own) is the leaf's; ``None``
-    for the rest (step counts)."""
-    path, shape = tuple(path), tuple(shape)
-    for i, (kp, want) in enumerate(zip(key_paths, shapes, strict=True)):
-        n = len(kp)
-        if n and path[-n:] == kp and shape == tuple(want):
-            return i
-    return None
+class Owners:
+    """Which parameter an optimizer-state leaf belongs to: the first (in leaf order) whose key
+    path ends the leaf's and whose shape (``shapes[i]``: its view's, or its own) is the
+    leaf's; ``None`` for the rest (step counts). The key paths are indexed once, so a lookup
+    tries each suffix of the leaf's path instead of every parameter (a scan per leaf was
+    0.4 s of ``init`` at 1,000 parameters)."""
+
+    def __init__(self, key_paths: Any, shapes: Any):
+        self.shapes = [tuple(s) for s in shapes]
+        self.index: dict[tuple[Any, ...], list[int]] = {}
+        for i, kp in enumerate(key_paths):
+            if len(kp):  # an empty key path (the params are one array) ends no leaf's path
+                self.index.setdefault(tuple(kp), []).append(i)
+        if len(self.shapes) != len(key_paths):
+            raise ValueError(f"Owners: {len(key_paths)} key paths, {len(self.shapes)} shapes")
+
+    def __call__(self, path: Any, shape: tuple[int, ...]) -> int | None:
+        path, shape = tuple(path), tuple(shape)
+        hits = [
+            i
+            for n in range(1, len(path) + 1)
+            for i in self.index.get(path[-n:], ())
+            if self.shapes[i] == shape
+        ]
+        return min(hits) if hits else None
 
 
 def _same_def(tree: Any, treedef: Any) -> bool:
@@ -121,13 +136,15 @@ class Codec:
         return local_view
 
     def _match(self, path: Any, shape: tuple[int, ...]) -> int | None:
-        """The parameter an optimizer-state leaf over the view belongs to (:func:`owner`)."""
-        return owner(self.key_paths, self._view_shapes, path, shape)
+        """The parameter an optimizer-state leaf over the view belongs to (:class:`Owners`)."""
+        return self._owners(path, shape)
 
     @functools.cached_property
-    def _view_shapes(self) -> list[tuple[int, ...]]:
-        """Every leaf's view shape, once (``_match`` runs per optimizer-state leaf)."""
-        return [tuple(self.view_shape(i)) for i in range(len(self.key_paths))]
+    def _owners(self) -> Owners:
+        """Every leaf's view shape and key path, indexed once (``_match`` runs per
+        optimizer-state leaf)."""
+        shapes = [tuple(self.view_shape(i)) for i in range(len(self.key_paths))]
+        return Owners(self.key_paths, shapes)
 
     def opt_shardings(self, abstract_opt: Any) -> Any:
         """Optimizer-state leaves are sharded like their parameter's view; others (step

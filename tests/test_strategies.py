@@ -124,3 +124,50 @@ def test_unsupported_combinations_are_one_table():
     assert len(UNSUPPORTED) == 2
     with pytest.raises(NotImplementedError, match="expert_axis='expert' with zero_stage=3"):
         check_supported(DDPConfig(zero_stage=3, expert_axis="expert"))
+
+
+def _owner_by_scan(key_paths, shapes, path, shape):
+    """The definition :class:`jaxdp._codec.Owners` indexes: the first parameter whose key
+    path ends the leaf's and whose shape is the leaf's."""
+    for i, (kp, want) in enumerate(zip(key_paths, shapes, strict=True)):
+        if kp and tuple(path)[-len(kp) :] == tuple(kp) and tuple(shape) == tuple(want):
+            return i
+    return None
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        optax.adamw(1e-3),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.lamb(1e-3)),
+        optax.multi_transform(
+            {"a": optax.adam(1e-3), "b": optax.sgd(1e-2, momentum=0.9)},
+            {"enc": {"w": "a", "b": "b"}, "dec": {"w": "a", "b": "b"}, "t": "b", "x": "a"},
+        ),
+    ],
+    ids=["adamw", "clip+lamb", "multi_transform"],
+)
+def test_owners_index_matches_the_scan(opt):
+    """Optimizer-state leaves find their parameter by key-path suffix and shape through an
+    index built once; it must pick what a scan over every parameter picks, with repeated leaf
+    names ("w", "b" under two parents), equal shapes, a scalar and a top-level leaf."""
+    from jaxdp._codec import Owners
+
+    params = {
+        "enc": {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))},
+        "dec": {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))},
+        "t": jnp.ones(()),
+        "x": jnp.ones((3,)),
+    }
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    key_paths = [tuple(kp) for kp, _ in leaves]
+    shapes = [x.shape for _, x in leaves]
+    owners = Owners(key_paths, shapes)
+    found = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(opt.init(params))[0]:
+        want = _owner_by_scan(key_paths, shapes, path, x.shape)
+        assert owners(path, x.shape) == want, jax.tree_util.keystr(path)
+        found += want is not None
+    assert found >= len(key_paths)  # every parameter owns at least one state leaf
+    # one array as the whole params: its key path is empty and ends no leaf's path
+    assert Owners([()], [(3,)])((), (3,)) is None
