@@ -49,7 +49,7 @@ def compile_reading(res: dict[str, Any]) -> str:
     big = cpu[-1]
 
     def pair(r: dict[str, Any]) -> str:
-        return f"{r['stage0'] / r['plain']:.2f}x / {r['stage1'] / r['plain']:.2f}x"
+        return f"{r['stage0_ratio']:.2f}x / {r['stage1_ratio']:.2f}x"
 
     def listing(rs: list[dict[str, Any]]) -> str:
         return ", ".join(f"{r['leaves']} leaves {pair(r)}" for r in rs)
