@@ -81,13 +81,23 @@ keep them). What is left, from `perf` on a fresh process at 1,000 leaves (stage-
 19.2 s against plain `jit`'s 11.9 s): Shardy's handling of the `shard_map` operands (+2.1 s,
 most of it `eraseManualAxes`, which grows with the number of operands: one per parameter,
 master shard and moment), XLA:CPU's thunk execution graph (+2.1 s: 2,000 more collective
-thunks), the SPMD partitioner (+0.5 s) and more fusions to emit (the padded views). The
-optimizer probe in `init` ("probe" column: three optimizer steps run op by op on small probe
-tensors, to refuse optimizers that would change when sharded) costs {big["stage1_probe"]:.1f} s
-at {big["leaves"]} leaves, the largest item after XLA. What we tried and dropped:
+thunks), the SPMD partitioner (+0.5 s) and more fusions to emit (the padded views). On the
+compile-only H100s at 100 leaves (XLA's own pass timings from a profile, measured once by hand:
+XLA compile 2.20 s against plain `jit`'s 1.47 s) the extra is spread thin: PTX to CUBIN and
+LLVM +0.2 to 0.4 s (the same number of kernels, 48 instead of 39 instructions per update
+kernel: the data dependences that order the gathers bucket by bucket on GPUs), the fusion
+passes +0.1 to 0.2 s, SPMD partitioner and Shardy +0.25 s.
+
+The optimizer probe in `init` ("probe" column: three optimizer steps on small probe tensors, to
+refuse optimizers that would change when sharded) traces `init` and one step for the whole and
+the sharded tree and evaluates them with NumPy (`jaxdp._host_eval`): it compiles nothing, and
+costs {big["stage1_probe"]:.1f} s at {big["leaves"]} leaves, nearly all of it jax tracing the
+two step programs. Op by op through jax it took 1.06 s at 10 leaves in a fresh process (every
+distinct op compiles once; the old in-process table, whose earlier runs had warmed those caches,
+showed 0.03 s) and 4.3 s at 1,000. What we tried and dropped:
 `--xla_cpu_use_fusion_emitters=false` (slice fusions 4x cheaper, the whole step slower to
 compile), building buckets with `dynamic_update_slice` (slower), jitting the optimizer probe
-(slower than op by op for 100+ leaves: 1,000 leaves 15 s), disabling Python's garbage collector
+(1,000 leaves 15 s), disabling Python's garbage collector
 during `init` and lowering (10-25% of them, a process-wide side effect).{_operand_reading(res)}"""
 
 
