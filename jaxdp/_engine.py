@@ -218,7 +218,31 @@ class DataParallel:
             rng=None if rng is None else replicated,
         )
         self._abstract = abstract
-        return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
+        return jax.jit(full, out_shardings=self._shardings)(
+            self._replicate_uncommitted(params), model_state, rng
+        )
+
+    def _replicate_uncommitted(self, params: Any) -> Any:
+        """Uncommitted single-device params (what ``model.init`` returns) go onto the mesh
+        replicated before ``init``'s program runs. Left to ``jit``, XLA picks a sharded input
+        layout for them at stages 1-3 and jax splits each array with a slicing program
+        compiled per distinct shape (0.13 s of a 10-parameter stage-1 ``init`` in a fresh
+        process, 0.2 s at 100). The largest per-device footprint is unchanged: the device
+        holding the whole params already has them. Host arrays (NumPy) are left to jax, which
+        splits them on the host, so a model bigger than one device still starts from host
+        memory; committed arrays (tensor-parallel shardings) and tracers are left as they are."""
+        if jax.process_count() > 1:
+            return params
+        replicated = self._sharding(P())
+
+        def place(x: Any) -> Any:
+            try:
+                committed = x.committed
+            except (AttributeError, TypeError):  # NumPy arrays; tracers raise a TypeError
+                return x
+            return x if committed else jax.device_put(x, replicated)
+
+        return jax.tree.map(place, params)
 
     # ------------------------------------------------------------------ batches
     def shard_batch(self, batch: Any) -> Any:

@@ -225,3 +225,33 @@ def test_stage2_mixed_dtypes_matches_stage1():
     np.testing.assert_array_equal(
         np.asarray(out[0]["b"], np.float32), np.asarray(out[1]["b"], np.float32)
     )
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_init_compiles_one_program(stage):
+    """``init`` compiles its own program and nothing else: uncommitted single-device params
+    are replicated onto the mesh first, where ``jit`` would have jax split each array with a
+    slicing program compiled per distinct shape. Host (NumPy) params are split on the host,
+    and both give the same state."""
+    shapes = {"a": (40, 24), "b": (24,), "c": (24, 16), "d": (16,)}  # no other test has these
+    rng = np.random.default_rng(stage)
+    host = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    dp = DataParallel(mse_loss, optax.adam(1e-2), DDPConfig(zero_stage=stage))
+    compiles = []
+
+    def listen(event, *args, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    params = jax.tree.map(jnp.asarray, host)
+    assert not jax.tree.leaves(params)[0].committed
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        state = dp.init(params)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert len(compiles) == 1
+    from_host = DataParallel(mse_loss, optax.adam(1e-2), DDPConfig(zero_stage=stage)).init(host)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(from_host), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
