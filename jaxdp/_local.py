@@ -86,16 +86,21 @@ def local_gradients(
         mb, m = xs
         (lval, (nt, aux, state)), acc, ok = kernel.micro(ctx, acc, ok, bind(mb, state, m))
         if aux is not None:
-            aux_sum = jax.tree.map(lambda s, a: s + jnp.asarray(a, jnp.float32), aux_sum, aux)
+            aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
+            aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
         return (acc, loss + lval.astype(jnp.float32), ntok + nt, ok, aux_sum, state), None
 
-    # Forward only, for the aux shapes. The state is an argument, not a closure: flax nnx
-    # refuses to update Variables that were made in an outer trace.
-    aux_shape = jax.eval_shape(
-        lambda state: kernel.forward(ctx, bind(mb0, state, 0))[1][1], model_state
-    )
-    warn_per_example_aux(aux_shape, mb0)
-    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
+    aux0 = None
+    if g > 1:
+        # The scan's carry needs the aux shapes before the loss is traced: a forward pass
+        # only, for them. (With one micro-batch the first sum is the aux itself, and the
+        # model's forward is traced once, as under plain jit.) The state is an argument, not
+        # a closure: flax nnx refuses to update Variables that were made in an outer trace.
+        aux_shape = jax.eval_shape(
+            lambda state: kernel.forward(ctx, bind(mb0, state, 0))[1][1], model_state
+        )
+        warn_per_example_aux(aux_shape, mb0)
+        aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
     ok0 = jnp.ones((len(kernel.layout.slots),), bool)
     zero = jnp.zeros((), jnp.float32)
     # The scan carry must be varying like the per-device gradients it accumulates.
@@ -111,6 +116,8 @@ def local_gradients(
     # collectives below are one straight-line region that XLA can overlap.
     last = kernel.order_last(jax.tree.map(lambda x: x[-1], mbs), carry[1])
     (acc, loss, ntok, ok, aux_sum, state), _ = micro(carry, (last, g - 1))
+    if g == 1 and aux_sum is not None:
+        warn_per_example_aux(aux_sum, mb0)
 
     red = tuple(r.astype(jnp.float32) for r in kernel.finish(acc))
     metrics: dict[str, Any] = {}
