@@ -211,6 +211,7 @@ class DataParallel:
         def full(p: Any, ms: Any, key: Any) -> TrainState:
             return strategy.init_state(p)._replace(model_state=ms, rng=key)
 
+        params = self._replicate_uncommitted(params)
         abstract = jax.eval_shape(full, params, model_state, rng)
         replicated = self._sharding(P())
         self._shardings = strategy.state_shardings(abstract)._replace(
@@ -218,9 +219,7 @@ class DataParallel:
             rng=None if rng is None else replicated,
         )
         self._abstract = abstract
-        return jax.jit(full, out_shardings=self._shardings)(
-            self._replicate_uncommitted(params), model_state, rng
-        )
+        return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
 
     def _replicate_uncommitted(self, params: Any) -> Any:
         """Uncommitted single-device params (what ``model.init`` returns) go onto the mesh
@@ -235,14 +234,19 @@ class DataParallel:
             return params
         replicated = self._sharding(P())
 
-        def place(x: Any) -> Any:
+        def uncommitted(x: Any) -> bool:
             try:
-                committed = x.committed
+                return not x.committed
             except (AttributeError, TypeError):  # NumPy arrays; tracers raise a TypeError
-                return x
-            return x if committed else jax.device_put(x, replicated)
+                return False
 
-        return jax.tree.map(place, params)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        moved = [i for i, x in enumerate(leaves) if uncommitted(x)]
+        if moved:  # one batched transfer (one call per leaf: 0.36 s at 1,000 leaves)
+            placed = jax.device_put([leaves[i] for i in moved], replicated)
+            for i, x in zip(moved, placed, strict=True):
+                leaves[i] = x
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     # ------------------------------------------------------------------ batches
     def shard_batch(self, batch: Any) -> Any:
