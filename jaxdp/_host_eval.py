@@ -161,6 +161,34 @@ def _inner(params: dict[str, Any]) -> tuple[Any, Sequence[Any]]:
     return j, ()
 
 
+def _on_host(eqn: Any, ins: Sequence[Any]) -> list[Any] | None:
+    """``eqn`` evaluated with NumPy, its results cast to the jaxpr's dtypes; ``None`` when it
+    is not in the table, an input is not a NumPy array, or NumPy refuses the operands (an
+    integer to a negative power, say): then jax evaluates it."""
+    name, params = eqn.primitive.name, eqn.params
+    known = name in _ELEMENTWISE or name in _SHAPE_OPS or name in _OTHER
+    if not known or not all(_host(x) for x in ins):
+        return None
+    try:
+        if name == "integer_pow":
+            res = np.power(ins[0], params["y"])
+        elif name == "dot_general":
+            res = _dot_general(ins[0], ins[1], params["dimension_numbers"])
+        elif name == "select_n":
+            res = np.choose(np.asarray(ins[0], dtype=np.int32), ins[1:])
+        elif name in _SHAPE_OPS:
+            res = _shape_op(name, params, ins[0])
+        else:
+            res = _ELEMENTWISE[name](*ins)
+        many = isinstance(res, tuple)
+        return [
+            np.asarray(r, dtype=_dtype(v))
+            for r, v in zip(res if many else (res,), eqn.outvars, strict=True)
+        ]
+    except (ValueError, TypeError, IndexError):
+        return None
+
+
 def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Any, Any] = {}
 
@@ -190,27 +218,12 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]
             while bool(_eval(cj.jaxpr, cj.consts, [*c_consts, *carry])[0]):
                 carry = _eval(bj.jaxpr, bj.consts, [*b_consts, *carry])
             outs = carry
-        elif not all(_host(x) for x in ins) or (
-            name not in _ELEMENTWISE and name not in _SHAPE_OPS and name not in _OTHER
-        ):
-            res = eqn.primitive.bind(*ins, **params)
-            outs = [_to_host(r) for r in (res if eqn.primitive.multiple_results else [res])]
         else:
-            if name == "integer_pow":
-                res = np.power(ins[0], params["y"])
-            elif name == "dot_general":
-                res = _dot_general(ins[0], ins[1], params["dimension_numbers"])
-            elif name == "select_n":
-                res = np.choose(np.asarray(ins[0], dtype=np.int32), ins[1:])
-            elif name in _SHAPE_OPS:
-                res = _shape_op(name, params, ins[0])
-            else:
-                res = _ELEMENTWISE[name](*ins)
-            many = isinstance(res, tuple)
-            outs = [
-                np.asarray(r, dtype=_dtype(v))
-                for r, v in zip(res if many else (res,), eqn.outvars, strict=True)
-            ]
+            host = _on_host(eqn, ins)
+            if host is None:  # not in NumPy's table (or NumPy refused): jax runs it
+                res = eqn.primitive.bind(*ins, **params)
+                host = [_to_host(r) for r in (res if eqn.primitive.multiple_results else [res])]
+            outs = host
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]

@@ -104,6 +104,11 @@ CASES = {
             x + jax.random.normal(jax.random.key(0), x.shape),
             jnp.cumsum(x, axis=1),
             jnp.sort(x, axis=0),
+            # 70 cases: NumPy's choose takes at most 64 (32 before NumPy 2), so jax runs it
+            lax.select_n(
+                (jnp.arange(35, dtype=jnp.int32).reshape(5, 7) * 3) % 70,
+                *[x * k for k in range(70)],
+            ),
         ),
         (X,),
     ),
