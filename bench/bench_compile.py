@@ -328,13 +328,12 @@ def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict
                 "plain_compile": med("plain", "compile"),
             }
             for name in ("stage0", "stage1"):
-                row[name] = med(name)
-                row[f"{name}_ratio"] = statistics.median(
-                    _total(a) / _total(b) for a, b in zip(runs[name], runs["plain"], strict=True)
-                )
-                row[f"{name}_ratios"] = [
+                ratios = [
                     _total(a) / _total(b) for a, b in zip(runs[name], runs["plain"], strict=True)
                 ]
+                row[name] = med(name)
+                row[f"{name}_ratios"] = ratios
+                row[f"{name}_ratio"] = statistics.median(ratios)
                 for key in ("layout", "probe", "init", "lower", "compile", "slice_fusions"):
                     row[f"{name}_{key}"] = med(name, key)
             rows.append(row)

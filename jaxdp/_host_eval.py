@@ -6,9 +6,10 @@ first time it is seen in a process (about 1 s for a 10-parameter AdamW) and ever
 jax's dispatch (about 3 s at 1,000 parameters). Tracing the step once and evaluating its jaxpr
 with NumPy costs neither.
 
-Common elementwise, shape and reduction primitives and the call-like ones (``jit``,
-``custom_jvp_call``, ``cond``, ``while``, ...) run in NumPy; every other primitive (random
-numbers, ``dot_general``, ...) is bound through jax as usual, so the evaluator covers whatever
+Common elementwise, shape and reduction primitives, ``dot_general`` and ``select_n`` run in
+NumPy, and the call-like ones (``jit``, ``custom_jvp_call``, ``cond``, ``while``, ...) are
+walked into; every other primitive (random numbers, ``cumsum``, ``sort``, ...), and any that
+NumPy refuses, is bound through jax as usual, so the evaluator covers whatever
 jax does, only slower there. Each result is cast to the dtype the jaxpr gives it, so NumPy's
 type promotion never leaks.
 
