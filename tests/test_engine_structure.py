@@ -10,7 +10,7 @@ import optax
 import pytest
 from _models import make_batch, mlp_params, mse_loss
 
-from jaxdp import DataParallel, DDPConfig
+from jaxdp import DataParallel, DDPConfig, make_mesh
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute")
 
@@ -227,8 +227,9 @@ def test_stage2_mixed_dtypes_matches_stage1():
     )
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_init_compiles_one_program(stage):
+@pytest.mark.parametrize("dp_size", [6, 8])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_init_compiles_one_program(stage, dp_size):
     """``init`` compiles its own program and nothing else: uncommitted single-device params
     are replicated onto the mesh first, where ``jit`` would have jax split each array with a
     slicing program compiled per distinct shape. Host (NumPy) params are split on the host,
@@ -236,7 +237,8 @@ def test_init_compiles_one_program(stage):
     shapes = {"a": (40, 24), "b": (24,), "c": (24, 16), "d": (16,)}  # no other test has these
     rng = np.random.default_rng(stage)
     host = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-    dp = DataParallel(mse_loss, optax.adam(1e-2), DDPConfig(zero_stage=stage))
+    mesh = make_mesh(devices=jax.devices()[:dp_size])
+    dp = DataParallel(mse_loss, optax.adam(1e-2), DDPConfig(zero_stage=stage), mesh=mesh)
     compiles = []
 
     def listen(event, *args, **kwargs):
@@ -251,7 +253,8 @@ def test_init_compiles_one_program(stage):
     finally:
         jax.monitoring.clear_event_listeners()
     assert len(compiles) == 1
-    from_host = DataParallel(mse_loss, optax.adam(1e-2), DDPConfig(zero_stage=stage)).init(host)
+    cfg = DDPConfig(zero_stage=stage)
+    from_host = DataParallel(mse_loss, optax.adam(1e-2), cfg, mesh=mesh).init(host)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(from_host), strict=True):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
