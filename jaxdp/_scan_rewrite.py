@@ -129,6 +129,27 @@ def _rule(eqn: Any, invals: list[Any], ctx: _Ctx) -> list[Any]:
     return _bind(eqn, [_materialize(v, ctx) for v in invals])
 
 
+def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    """``(consts, carry)`` operand counts of a ``scan`` equation's ``params``: named
+    ``num_consts`` / ``num_carry`` up to jax 0.10; from jax 0.11 a flat tree ``ft_in`` packing
+    the (consts, carry, xs) groups.
+
+    Example:
+        >>> scan_counts({"num_consts": 2, "num_carry": 1})
+        (2, 1)
+    """
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    raise NotImplementedError(
+        f"jaxdp: this jax's scan equations carry neither num_consts nor ft_in (params: "
+        f"{sorted(params)}); jaxdp's ZeRO-3 scan rewrite needs updating for jax "
+        f"{jax.__version__}."
+    )
+
+
 def _only_scanned(jaxpr: Jaxpr, v: Any) -> bool:
     """Whether every use of ``v`` in ``jaxpr`` is (through calls, casts) a scan's ``xs``."""
     if any(u is v for u in jaxpr.outvars):
@@ -139,7 +160,7 @@ def _only_scanned(jaxpr: Jaxpr, v: Any) -> bool:
                 continue
             name, p = eqn.primitive.name, eqn.params
             if name == "scan":
-                nc, nk = p["num_consts"], p["num_carry"]
+                nc, nk = scan_counts(p)
                 body = p["jaxpr"].jaxpr
                 if nc <= k < nc + nk or (k < nc and not _only_scanned(body, body.invars[k])):
                     return False
@@ -173,7 +194,7 @@ def _remat(eqn: Any, invals: list[Any], ctx: _Ctx) -> list[Any]:
 
 def _scan(eqn: Any, invals: list[Any], ctx: _Ctx) -> list[Any]:
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     closed = p["jaxpr"]
     # A stacked constant reaches the body as a virtual value only if the body scans it (else
     # the body would gather the whole stack in every iteration): gather it once, here.

@@ -213,3 +213,25 @@ def test_layout_stores_stacks_per_layer(dp, axis):
     for tree in (back, unpacked):
         for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_scan_counts_reads_both_jax_param_forms():
+    """jax <= 0.10 names a scan's operand groups (num_consts, num_carry); jax 0.11 packs them
+    into a flat tree ``ft_in`` of (consts, carry, xs). The rewrite reads either; the GPU hosts
+    run 0.11, where reading the old names raised KeyError at stage 3."""
+    from jaxdp._scan_rewrite import scan_counts
+
+    class _Packed:  # jax 0.11's FlatTree: unpack() -> one sized group per part
+        def unpack(self):
+            return ([None] * 3, [None] * 2, [None] * 5)
+
+    assert scan_counts({"num_consts": 3, "num_carry": 2, "length": 4}) == (3, 2)
+    assert scan_counts({"ft_in": _Packed(), "length": 4}) == (3, 2)
+    with pytest.raises(NotImplementedError, match="num_consts nor ft_in"):
+        scan_counts({"length": 4})
+    # The installed jax's own scan equation.
+    jaxpr = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda a, x: (a + x, a * x), c, xs))(
+        1.0, jnp.ones(4)
+    )
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan_counts(eqn.params) == (0, 1)
