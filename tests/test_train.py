@@ -59,7 +59,13 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
         assert os.path.exists(os.path.join(straight, f)), f
     with open(os.path.join(straight, "config.yaml")) as f:
         saved = yaml.safe_load(f)
-    assert saved["model"] == {**TINY["model"], "vocab": 256, "dropout": 0.0, "scan": False}
+    assert saved["model"] == {
+        **TINY["model"],
+        "vocab": 256,
+        "dropout": 0.0,
+        "scan": False,
+        "attention": "auto",
+    }
     assert saved["ddp"]["num_microbatches"] == 1  # resolved config, not the input
     out = capsys.readouterr().out
     assert "summary" in out and "MFU (dense bf16 peak)" in out  # "-" on CPUs (no peak)
@@ -98,7 +104,7 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
     assert [r["loss"] for r in _losses(stopped)] == [r["loss"] for r in recs]
 
 
-def test_gpu_config_is_a_300m_scanned_gpt():
+def test_gpu_config_is_a_300m_gpt():
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -107,13 +113,37 @@ def test_gpu_config_is_a_300m_scanned_gpt():
     from jaxdp.train._mfu import train_flops_per_token
 
     cfg = load_run_config(os.path.join(ROOT, "configs", "gpt_300m_gpu.yaml"))
-    assert cfg.model.scan and cfg.ddp.param_dtype == "bfloat16"
+    # Blocks unrolled: the scanned step was 1.40x slower on an H200 (BENCHMARKS.md section 13).
+    assert not cfg.model.scan and cfg.ddp.param_dtype == "bfloat16"
     tokens = jax.ShapeDtypeStruct((1, cfg.model.context), jnp.int32)
     params = jax.eval_shape(GPT(cfg.model).init, jax.random.key(0), tokens)["params"]
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     assert 300e6 < n < 310e6, n
-    assert params["blocks"]["fc"]["kernel"].shape == (24, 1024, 4096)  # stacked by nn.scan
+    assert params["block_23"]["fc"]["kernel"].shape == (1024, 4096)
     assert train_flops_per_token(cfg.model, n) > 6 * n
+    assert cfg.model.attention == "auto"  # cuDNN's flash attention on the GPU it is for
+
+
+def test_attention_choice():
+    """``GPTConfig.attention``: jax's own default (``implementation=None``) is XLA's attention,
+    which on an H200 made the 303M GPT 2.8x slower and 3.3x larger than cuDNN's; "auto" picks
+    cuDNN on GPUs for the dtypes and head sizes its flash kernel takes, XLA's elsewhere."""
+    import jax.numpy as jnp
+
+    from jaxdp.models import GPTConfig, attention_implementation
+
+    with pytest.raises(ValueError, match=r"attention='flash'.*'auto'"):
+        GPTConfig(attention="flash")
+    assert attention_implementation("auto", jnp.bfloat16, 64) == "xla"  # this CPU
+    assert attention_implementation("xla", jnp.bfloat16, 64) == "xla"
+    assert attention_implementation("cudnn", jnp.float32, 64) == "cudnn"  # forced: jax decides
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("jax.default_backend", lambda: "gpu")
+        assert attention_implementation("auto", jnp.bfloat16, 64) == "cudnn"
+        assert attention_implementation("auto", jnp.float16, 128) == "cudnn"
+        assert attention_implementation("auto", jnp.float32, 64) == "xla"  # no fp32 flash
+        assert attention_implementation("auto", jnp.bfloat16, 60) == "xla"  # not a multiple of 8
+        assert attention_implementation("auto", jnp.bfloat16, 256) == "xla"
 
 
 def test_dropout_key_stream_resumes_exactly(tmp_path):
