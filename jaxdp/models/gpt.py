@@ -11,7 +11,7 @@ in fp32 straight from the GEMM).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -100,7 +100,7 @@ class GPTConfig:
             )
 
 
-def attention_implementation(choice: str, dtype: Any, head_dim: int) -> str:
+def attention_implementation(choice: str, dtype: Any, head_dim: int) -> Literal["cudnn", "xla"]:
     """The ``implementation`` of ``jax.nn.dot_product_attention`` that ``GPTConfig.attention``
     = ``choice`` means for inputs of ``dtype`` and heads of ``head_dim`` (see
     :class:`GPTConfig`). jax's own ``None`` means XLA's, not the best available.
@@ -111,8 +111,8 @@ def attention_implementation(choice: str, dtype: Any, head_dim: int) -> str:
         >>> attention_implementation("cudnn", jnp.bfloat16, 64)
         'cudnn'
     """
-    if choice != "auto":
-        return choice
+    if choice in ("cudnn", "xla"):
+        return "cudnn" if choice == "cudnn" else "xla"
     on_gpu = jax.default_backend() == "gpu"
     fits = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
     return "cudnn" if on_gpu and fits else "xla"
