@@ -111,7 +111,14 @@ def numerics(g: int = 8, rows: int = 16, d_in: int = 64, d_out: int = 32) -> dic
 
 # ---------------------------------------------------------------- 2. step time
 def step_times(
-    width: int, depth: int, batch: int, g: int, stages: tuple[int, ...], rounds: int, inner: int
+    width: int,
+    depth: int,
+    batch: int,
+    g: int,
+    stages: tuple[int, ...],
+    rounds: int,
+    inner: int,
+    dump: str | None = None,
 ) -> list[dict[str, Any]]:
     loss_fn, params, data = _mlp_problem(width, depth, batch)
     variants = []
@@ -129,6 +136,10 @@ def step_times(
             b = dp.shard_batch(data)
             t0 = time.perf_counter()
             compiled = dp.step.lower(state, b).compile()
+            if dump:  # the compiled program, to read what the GEMMs accumulate into
+                name = f"fusion_stage{stage}_{'fused' if fuse else 'unfused'}_{batch}.hlo"
+                with open(os.path.join(dump, name), "w") as f:
+                    f.write(compiled.as_text())
             variants.append(
                 {
                     "stage": stage,

@@ -21,9 +21,18 @@ union of the GPU streams' op intervals, divided by 5); **peak** memory of the co
 program (arguments + outputs - aliased + temp, ``memory_analysis()``); and **MFU** =
 ``tokens/s x (6 N + 12 L T d) / (devices x peak)`` from the pipelined time.
 
+``--main-job STEPS`` also runs the main job, ``jaxdp-train --config configs/gpt_300m_gpu.yaml``,
+for STEPS steps in a process of its own and reports its steady tokens/s and MFU.
+
+The XLA flags of :func:`jaxdp.xla_flags` are tried in a child process first: a jaxlib newer
+than jaxdp's flag table may have dropped one, and XLA aborts on an unknown flag; any it refuses
+is left out and named in the output. ``--budget-s`` starts no variant once that many seconds
+have passed (the ones left are named as skipped); every finished variant is written at once
+(``--write``, ``--jsonl``), so a run cut short keeps what it measured.
+
 Run on a GPU host (the default model is the 303M-parameter GPT of ``configs/gpt_300m_gpu.yaml``)::
 
-    python bench/bench_gpu.py --write BENCHMARKS.md   # also replaces BENCHMARKS.md's GPU section
+    python bench/bench_gpu.py --write BENCHMARKS.md --main-job 40   # replaces the GPU section
 
 Check on a CPU: ``python bench/bench_gpu.py --tiny``.
 """
@@ -31,9 +40,12 @@ Check on a CPU: ``python bench/bench_gpu.py --tiny``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,14 +62,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant and mode")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: by device kind")
     p.add_argument("--no-fusion", action="store_true", help="skip the fused / unfused MLP")
+    p.add_argument(
+        "--fusion-rows", default="8192,2048", help="rows per micro-batch of the fusion MLP"
+    )
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to run, e.g. 1,3")
     p.add_argument("--accum", default="1,4", help="micro-batch counts G to run, e.g. 4")
     p.add_argument("--write", default=None, help="replace this BENCHMARKS.md's GPU section")
     p.add_argument("--tiny", action="store_true", help="small model on the CPU (script check)")
+    p.add_argument(
+        "--unrolled", action="store_true", help="the blocks unrolled (GPTConfig.scan=False)"
+    )
+    p.add_argument("--block", default="", help="write between <!-- bench_gpu{BLOCK}:start -->")
+    p.add_argument("--budget-s", type=float, default=None, help="start no variant after this")
+    p.add_argument("--jsonl", default=None, help="append each finished variant here")
+    p.add_argument(
+        "--main-job", type=int, default=0, metavar="STEPS", help="run jaxdp-train this long"
+    )
+    p.add_argument("--main-job-timeout", type=float, default=180.0, help="seconds")
+    p.add_argument("--dump-hlo", default=None, help="write the fusion MLP's compiled programs here")
     return p.parse_args(argv)
 
 
+def checked_flags(flags: list[str]) -> tuple[list[str], list[str]]:
+    """The ``flags`` a child process with them in ``XLA_FLAGS`` starts its backend with, and the
+    ones it aborts on (tried one by one only when the whole set fails)."""
+
+    def starts(extra: list[str]) -> bool:
+        env = dict(
+            os.environ, XLA_FLAGS=" ".join([*os.environ.get("XLA_FLAGS", "").split(), *extra])
+        )
+        code = "import jax; jax.devices()"
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, timeout=60
+            )
+        except subprocess.TimeoutExpired:
+            return False
+        return run.returncode == 0
+
+    if starts(flags):
+        return flags, []
+    kept = [f for f in flags if starts([f])]
+    return kept, [f for f in flags if f not in kept]
+
+
 ARGS = parse_args() if __name__ == "__main__" else None
+FLAGS: tuple[list[str], list[str]] = ([], [])
 if ARGS is not None and "jax" not in sys.modules:
     if ARGS.tiny:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -65,7 +115,16 @@ if ARGS is not None and "jax" not in sys.modules:
         import jaxdp as _jaxdp
 
         # The combine thresholds follow the default bucket size; set before jax starts.
-        _jaxdp.apply_xla_flags(_jaxdp.DDPConfig(zero_stage=1, param_dtype="bfloat16"))
+        _mine = os.environ.get("XLA_FLAGS", "").split()
+        _named = {f.lstrip("-").split("=", 1)[0] for f in _mine}  # the user's own flags win
+        FLAGS = checked_flags(
+            [
+                f
+                for f in _jaxdp.xla_flags(_jaxdp.DDPConfig(zero_stage=1, param_dtype="bfloat16"))
+                if f.lstrip("-").split("=", 1)[0] not in _named
+            ]
+        )
+        os.environ["XLA_FLAGS"] = " ".join([*_mine, *FLAGS[0]])
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,7 +132,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxdp  # noqa: E402
-from jaxdp.models import GPT, GPTConfig, next_byte_loss  # noqa: E402
+from jaxdp.models import GPT, GPTConfig, attention_implementation, next_byte_loss  # noqa: E402
 from jaxdp.train._mfu import peak_tflops, train_flops_per_token  # noqa: E402
 
 START, END = "<!-- bench_gpu:start -->", "<!-- bench_gpu:end -->"
@@ -133,7 +192,11 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
         jax.block_until_ready((state, m))
         pipelined.append((time.perf_counter() - t0) / PIPELINE)
         host.append(calls / PIPELINE)
-    busy, state = busy_ms(step, state, batch)
+    try:
+        busy, state = busy_ms(step, state, batch)
+    except Exception as e:  # a profiler that cannot start must not cost the other numbers
+        print(f"profile failed: {type(e).__name__}: {e}", flush=True)
+        busy = None
     mem = compiled.memory_analysis()
     peak = None
     if mem is not None:
@@ -152,26 +215,48 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
     }
 
 
-def bare(model: GPT, params: Any, batch: Any, steps: int) -> dict[str, Any]:
-    """Single device, no collectives: bf16 working params, fp32 master, AdamW."""
+def bare(model: GPT, params: Any, batch: Any, steps: int, g: int = 1) -> dict[str, Any]:
+    """Single device, no collectives: bf16 working params, fp32 master, AdamW; with ``g > 1``
+    the ``g`` micro-batches' gradients summed in fp32 in a ``lax.scan`` (what jaxdp's
+    ``num_microbatches`` does, minus the reduction). Compiled twice: ``cold_compile_s`` pays
+    the process's first cuBLAS / cuDNN autotuning, ``compile_s`` (the second) is what the
+    engines, compiled after it, are held to."""
     opt = optax.adamw(1e-4)
     dev = jax.devices()[0]
     master = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(params, dev))
     state = (master, opt.init(master))
     batch = jax.device_put(batch, dev)
 
+    def grads_of(work: Any, tokens: Any) -> Any:
+        loss, grads = jax.value_and_grad(lambda p: next_byte_loss(model, p, {"tokens": tokens}))(
+            work
+        )
+        return loss, jax.tree.map(lambda x: x.astype(jnp.float32), grads)
+
     def step(state: Any, batch: Any) -> Any:
         master, opt_state = state
         work = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
-        loss, grads = jax.value_and_grad(lambda p: next_byte_loss(model, p, batch))(work)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if g == 1:
+            loss, grads = grads_of(work, batch["tokens"])
+        else:
+            tokens = batch["tokens"].reshape(g, -1, batch["tokens"].shape[-1])
+
+            def body(acc: Any, tok: Any) -> Any:
+                loss, grads = grads_of(work, tok)
+                return (jax.tree.map(jnp.add, acc[0], grads), acc[1] + loss), None
+
+            zero = (jax.tree.map(jnp.zeros_like, master), jnp.float32(0))
+            (grads, loss), _ = jax.lax.scan(body, zero, tokens)
+            grads, loss = jax.tree.map(lambda x: x / g, grads), loss / g
         updates, opt_state = opt.update(grads, opt_state, master)
         return (optax.apply_updates(master, updates), opt_state), loss
 
-    jitted = jax.jit(step, donate_argnums=0)
-    t0 = time.perf_counter()
-    compiled = jitted.lower(state, batch).compile()
-    out = {"compile_s": time.perf_counter() - t0}
+    out: dict[str, Any] = {}
+    for key in ("cold_compile_s", "compile_s"):
+        jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=0)  # a new cache entry each
+        t0 = time.perf_counter()
+        compiled = jitted.lower(state, batch).compile()
+        out[key] = time.perf_counter() - t0
     return {**out, **measure(compiled, compiled, state, batch, steps)}
 
 
@@ -186,58 +271,148 @@ def engine(model: GPT, params: Any, batch: Any, steps: int, stage: int, g: int) 
     return {**out, **measure(compiled, compiled, state, b, steps)}
 
 
-def fusion(tiny: bool, steps: int) -> list[dict[str, Any]]:
+def fusion(
+    tiny: bool, steps: int, rows: int = 8192, dump: str | None = None
+) -> list[dict[str, Any]]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_fusion
 
-    width, depth, rows = (256, 2, 16) if tiny else (4096, 8, 8192)
+    width, depth, rows = (256, 2, 16) if tiny else (4096, 8, rows)
     g = 8
-    return bench_fusion.step_times(
-        width, depth, rows * jax.device_count() * g, g, (0, 1), rounds=steps, inner=5
+    out = bench_fusion.step_times(
+        width, depth, rows * jax.device_count() * g, g, (0, 1), rounds=steps, inner=5, dump=dump
     )
+    return [{**r, "rows": rows} for r in out]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN_CONFIG = "configs/gpt_300m_gpu.yaml"
+
+
+def main_job(steps: int, config: str = MAIN_CONFIG, timeout: float = 180.0) -> dict[str, Any]:
+    """``jaxdp-train --config configs/gpt_300m_gpu.yaml`` for ``steps`` steps in a child process
+    (its own XLA flags, its default corpus): the summary it writes, or why there is none."""
+    out = tempfile.mkdtemp(prefix="jaxdp-main-job-")
+    cmd = [
+        sys.executable, "-m", "jaxdp.train", "--config", config, "--steps", str(steps),
+        "--out", out, "--overwrite", "--set", "train.sample_bytes=0", "--set",
+        "train.eval_batches=1", "--set", f"train.log_every={max(steps // 4, 1)}",
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    # XLA_FLAGS passes on: the main job runs with the flags the bench checked and uses.
+    t0 = time.perf_counter()
+    try:
+        run = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "steps": steps, "config": config}
+    summary = os.path.join(out, "summary.json")
+    if run.returncode != 0 or not os.path.exists(summary):
+        tail = (run.stdout + run.stderr)[-2000:]
+        return {"error": f"exit {run.returncode}: {tail}", "steps": steps, "config": config}
+    with open(summary) as f:
+        info = json.load(f)
+    info.pop("sample", None)
+    return {**info, "steps": steps, "config": config, "process_s": time.perf_counter() - t0}
 
 
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def markdown(head: str, rows: list[tuple[str, dict[str, Any], int]], fuse: Any, mfu: Any) -> str:
-    base = rows[0][1]
+Row = tuple[str, dict[str, Any], int, int]  # name, numbers, devices, micro-batches G
+
+
+def markdown(
+    head: str,
+    rows: list[Row],
+    fuse: list[dict[str, Any]] | None,
+    mfu: Any,
+    job: dict[str, Any] | None = None,
+    skipped: list[str] | None = None,
+    failed: list[str] | None = None,
+) -> str:
+    """The GPU section: each jaxdp row held to the bare row of the same ``G``."""
+    bases: dict[int, dict[str, Any]] = {}
+    for name, r, _, g in rows:
+        if name.startswith("bare"):
+            bases.setdefault(g, r)  # the first bare row of each G (not the unrolled one)
     lines = [
         head,
         "",
         "| variant | blocking ms | pipelined ms | vs bare (pipelined) | device busy ms | "
-        "host ms/call | host vs bare | first call s | compile vs bare | peak GiB | MFU |",
+        "host ms/call | host vs bare | compile s | compile vs bare | peak GiB | MFU |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, r, devices in rows:
+    for name, r, devices, g in rows:
+        base = bases.get(g)
+
+        def vs(key: str, fmt: str, base: Any = base, r: dict[str, Any] = r) -> str:
+            return "-" if base is None else format(r[key] / base[key], fmt) + "x"
+
         util = mfu(r["pipelined_ms"], devices)
+        cold = f" (first: {r['cold_compile_s']:.1f})" if "cold_compile_s" in r else ""
         lines.append(
             f"| {name} | {r['blocking_ms']:.1f} | {r['pipelined_ms']:.1f} | "
-            f"{r['pipelined_ms'] / base['pipelined_ms']:.3f}x | {_f(r['busy_ms'], '.1f')} | "
-            f"{r['host_ms']:.2f} | {r['host_ms'] / base['host_ms']:.2f}x | "
-            f"{r['compile_s']:.1f} | {r['compile_s'] / base['compile_s']:.2f}x | "
+            f"{vs('pipelined_ms', '.3f')} | {_f(r['busy_ms'], '.1f')} | "
+            f"{r['host_ms']:.2f} | {vs('host_ms', '.2f')} | "
+            f"{r['compile_s']:.1f}{cold} | {vs('compile_s', '.2f')} | "
             f"{_f(r['peak_gib'], '.2f')} | {_f(util, '.1%')} |"
         )
+    if skipped:
+        lines += ["", f"Not run (out of `--budget-s`): {', '.join(skipped)}."]
+    if failed:
+        lines += ["", f"Failed: {'; '.join(failed)}."]
     if fuse:
-        lines += ["", "| fusion (8 x jaxdp.nn.Dense, G = 8) | ms/step | first call s |"]
-        lines.append("|---|---:|---:|")
+        lines += [
+            "",
+            "| fusion (8 x jaxdp.nn.Dense 4096 x 4096, bf16, G = 8) | rows per micro-batch | "
+            "ms/step | fused vs unfused | compile s |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for r in fuse:
-            lines.append(
-                f"| stage {r['stage']}, fused={r['fused']} | {r['ms']:.2f} | {r['compile_s']:.1f} |"
+            ref = next(
+                (
+                    u["ms"]
+                    for u in fuse
+                    if u["stage"] == r["stage"] and u["rows"] == r["rows"] and not u["fused"]
+                ),
+                None,
             )
+            speed = "-" if ref is None or not r["fused"] else f"{ref / r['ms']:.3f}x faster"
+            lines.append(
+                f"| stage {r['stage']}, fused={r['fused']} | {r['rows']} | {r['ms']:.2f} | "
+                f"{speed} | {r['compile_s']:.1f} |"
+            )
+    if job is not None:
+        lines += ["", f"Main job: `jaxdp-train --config {job['config']} --steps {job['steps']}`"]
+        if "error" in job:
+            lines.append(f"failed: {job['error'][-500:]!r}")
+        else:
+            lines += [
+                "",
+                "| devices | ZeRO stage | G | first step s | step s | tokens/s | MFU |",
+                "|---|---:|---:|---:|---:|---:|---:|",
+                f"| {job['devices']} | {job['zero_stage']} | {job['num_microbatches']} | "
+                f"{job['compile_s']:.1f} | {job['step_time_s']:.3f} | "
+                f"{job['tokens_per_s']:,.0f} | {_f(job['mfu'], '.1%')} |",
+            ]
     return "\n".join(lines)
 
 
-def write_section(path: str, body: str) -> None:
-    """Replace the text between the bench_gpu markers of ``path`` (append them if missing)."""
+def write_section(path: str, body: str, name: str = "") -> None:
+    """Replace the text between the ``bench_gpu{name}`` markers of ``path`` (append them if
+    missing)."""
     text = ""
     if os.path.exists(path):
         with open(path) as f:
             text = f.read()
-    block = f"{START}\n{body}\n{END}"
-    if START in text and END in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END) :]
+    start, end = (m.replace("bench_gpu", f"bench_gpu{name}") for m in (START, END))
+    block = f"{start}\n{body}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip() + "\n\n## GPU: `bench/bench_gpu.py`\n\n" + block + "\n"
     with open(path, "w") as f:
@@ -247,12 +422,22 @@ def write_section(path: str, body: str) -> None:
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv) if argv is not None else ARGS
     assert args is not None
+    t_start = time.perf_counter()
     if args.tiny:
         args.layers, args.width, args.heads, args.context, args.steps = 2, 64, 4, 32, 2
         args.batch_per_device = 4
+    job: dict[str, Any] | None = None
+    if args.main_job:  # first: this process's backend would hold most of the GPU's memory
+        config = "configs/gpt_tiny.yaml" if args.tiny else MAIN_CONFIG
+        job = main_job(args.main_job, config, args.main_job_timeout)
+        print("main job", job, flush=True)
     n = jax.device_count()
     cfg = GPTConfig(
-        layers=args.layers, width=args.width, heads=args.heads, context=args.context, scan=True
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        context=args.context,
+        scan=not args.unrolled,
     )
     model = GPT(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
@@ -272,25 +457,93 @@ def main(argv: list[str] | None = None) -> str:
             return None
         return bpd * devices * cfg.context / (ms / 1e3) * per_token / (devices * peak * 1e12)
 
+    kept, dropped = FLAGS
+    attention = attention_implementation(cfg.attention, jnp.bfloat16, cfg.width // cfg.heads)
     head = (
         f"{n} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}; GPT "
         f"{n_params / 1e6:.1f}M params ({cfg.layers} x {cfg.width}, {cfg.heads} heads, context "
-        f"{cfg.context}, nn.scan), {bpd} sequences per device per step, bf16 working params, "
-        f"fp32 master, AdamW; MFU against {_f(peak, '.0f')} TFLOP/s per device."
+        f"{cfg.context}, {'nn.scan' if cfg.scan else 'unrolled'}, {attention} attention), "
+        f"{bpd} sequences per device per step, bf16 working params, "
+        f"fp32 master, AdamW; MFU against {_f(peak, '.0f')} TFLOP/s per device. XLA flags: "
+        f"{' '.join(kept) if kept else 'none'}"
+        + (f"; refused by this jaxlib, left out: {' '.join(dropped)}" if dropped else "")
+        + "."
     )
     print(head, flush=True)
-    rows = [("bare jit, 1 device", bare(model, params, tokens(bpd), args.steps), 1)]
-    print(rows[-1][0], rows[-1][1], flush=True)
-    for stage in [int(s) for s in args.stages.split(",")]:
-        for g in [int(a) for a in args.accum.split(",")]:
-            r = engine(model, params, tokens(bpd * n), args.steps, stage, g)
-            rows.append((f"jaxdp stage {stage}, G = {g}, {n} devices", r, n))
-            print(rows[-1][0], r, flush=True)
-    fuse = None if args.no_fusion else fusion(args.tiny, args.steps)
-    md = markdown(head, rows, fuse, mfu)
+    stages = [int(s) for s in args.stages.split(",")]
+    accum = [int(a) for a in args.accum.split(",")]
+    fusion_rows = [] if args.no_fusion else [int(r) for r in args.fusion_rows.split(",")]
+    fusion_rows = fusion_rows[:1] if args.tiny else fusion_rows  # --tiny has one shape
+    # The first G (bare, then each stage), the fusion MLP, then the other G: a run cut short
+    # keeps the main comparison.
+    plan: list[tuple[str, Any]] = [("bare", accum[0])]
+    plan += [("engine", (s, accum[0])) for s in stages]
+    plan += [("fusion", r) for r in fusion_rows]
+    for g in accum[1:]:
+        plan += [("bare", g)] + [("engine", (s, g)) for s in stages]
+    # The scanned blocks' loop against the same step with them unrolled.
+    plan += [] if args.unrolled else [("unrolled", accum[0])]
+    rows: list[Row] = []
+    fuse: list[dict[str, Any]] | None = None
+    skipped: list[str] = []
+    failed: list[str] = []
+    last = 0.0
+
+    def record(name: str, r: Any) -> None:
+        print(name, r, flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                line = {"variant": name, "result": r, "at_s": time.perf_counter() - t_start}
+                f.write(json.dumps(line) + "\n")
+        if args.write and rows:
+            md = markdown(head, rows, fuse, mfu, job, skipped, failed)
+            write_section(args.write, md, args.block)
+
+    for kind, what in plan:
+        label = {
+            "bare": f"bare, G = {what}",
+            "fusion": f"fusion MLP, {what} rows",
+            "engine": f"stage {what[0]}, G = {what[1]}" if kind == "engine" else "",
+            "unrolled": f"bare, G = {what}, blocks unrolled",
+        }[kind]
+        elapsed = time.perf_counter() - t_start
+        if rows and args.budget_s is not None and elapsed + last > args.budget_s:
+            skipped.append(label)
+            continue
+        t0 = time.perf_counter()
+        try:
+            if kind == "bare":
+                r = bare(model, params, tokens(bpd), args.steps, what)
+                rows.append((f"bare jit, 1 device, G = {what}", r, 1, what))
+                record(rows[-1][0], r)
+            elif kind == "engine":
+                stage, g = what
+                r = engine(model, params, tokens(bpd * n), args.steps, stage, g)
+                rows.append((f"jaxdp stage {stage}, G = {g}, {n} devices", r, n, g))
+                record(rows[-1][0], r)
+            elif kind == "unrolled":
+                flat = GPT(dataclasses.replace(cfg, scan=False))
+                p = flat.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
+                r = bare(flat, p, tokens(bpd), args.steps, what)
+                rows.append((f"bare jit, 1 device, G = {what}, blocks unrolled", r, 1, what))
+                record(rows[-1][0], r)
+            else:
+                fuse = [*(fuse or []), *fusion(args.tiny, args.steps, what, args.dump_hlo)]
+                record(label, fuse)
+        except Exception as e:
+            if not rows or args.tiny:  # no baseline, or the script check: fail loudly
+                raise
+            failed.append(f"{label} ({type(e).__name__}: {str(e)[:300]})")
+            record("failed", failed[-1])
+        last = time.perf_counter() - t0
+    if skipped:
+        record("skipped", skipped)
+    if job is not None:
+        record("main job", job)
+    md = markdown(head, rows, fuse, mfu, job, skipped, failed)
     print("\n" + md)
     if args.write:
-        write_section(args.write, md)
+        write_section(args.write, md, args.block)
         print(f"wrote the GPU section of {args.write}")
     return md
 

@@ -14,6 +14,7 @@ a 2-core machine;
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 if "jax" not in sys.modules:  # must be set before jax starts its backend
@@ -251,14 +252,17 @@ collective per bucket, overlap with backward GEMMs, wire dtypes)."""
 
 
 def _gpu_block(path: str) -> str:
-    """The measured GPU block of an existing ``path`` (kept), or the not-run text."""
-    start, end = "<!-- bench_gpu:start -->", "<!-- bench_gpu:end -->"
+    """The measured GPU part of an existing ``path`` (kept: from the first ``bench_gpu`` start
+    marker to the last ``bench_gpu...`` end marker, with any reading between its blocks), or the
+    not-run text."""
+    start = "<!-- bench_gpu:start -->"
     if os.path.exists(path):
         with open(path) as f:
             text = f.read()
-        if start in text and end in text and "No GPU was lent" not in text.split(start)[1]:
-            return text[text.index(start) : text.index(end) + len(end)]
-    return f"{start}\n{GPU_SECTION}\n{end}"
+        ends = list(re.finditer(r"<!-- bench_gpu[-\w]*:end -->", text))
+        if start in text and ends and "No GPU was lent" not in text.split(start)[1]:
+            return text[text.index(start) : ends[-1].end()]
+    return f"{start}\n{GPU_SECTION}\n<!-- bench_gpu:end -->"
 
 
 def _section(title: str, module: str, seconds: float, body: str) -> str:
