@@ -126,7 +126,7 @@ def test_gpu_config_is_a_300m_gpt():
 
 def test_attention_choice():
     """``GPTConfig.attention``: jax's own default (``implementation=None``) is XLA's attention,
-    which on an H200 made the 303M GPT 2.8x slower and 3.3x larger than cuDNN's; "auto" picks
+    which on an H200 made the 303M GPT 2.2x slower and twice the memory; "auto" picks
     cuDNN on GPUs for the dtypes and head sizes its flash kernel takes, XLA's elsewhere."""
     import jax.numpy as jnp
 
