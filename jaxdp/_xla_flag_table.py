@@ -16,7 +16,7 @@ import re
 import warnings
 from typing import Final
 
-__all__ = ["FLAG_TABLE", "FlagSpec", "flag_available"]
+__all__ = ["FLAG_TABLE", "SEEN_ACCEPTED", "FlagSpec", "flag_available"]
 
 Version = tuple[int, ...]
 
@@ -164,7 +164,27 @@ def flag_available(name: str, version: str | Version | None = None) -> bool:
     return _BY_NAME[name].available(_resolve_version(version))
 
 
-def _version_for(value: str | Version | None) -> Version:
+#: Releases newer than ``NEWEST_CHECKED`` and the flags a process was seen to start its GPU
+#: backend with there (``bench/bench_gpu.py`` tries its flags in a child process first):
+#: emitting only these draws no warning.
+SEEN_ACCEPTED: Final[dict[Version, frozenset[str]]] = {
+    # One NVIDIA H200, jaxlib 0.11.2 (CUDA 13 plugin), 2026-11-26: the flags of a stage-1 config.
+    (0, 11, 2): frozenset(
+        {
+            "xla_gpu_all_reduce_combine_threshold_bytes",
+            "xla_gpu_reduce_scatter_combine_threshold_bytes",
+            "xla_gpu_all_gather_combine_threshold_bytes",
+            "xla_gpu_enable_latency_hiding_scheduler",
+            "xla_gpu_enable_highest_priority_async_stream",
+            "xla_gpu_experimental_enable_heuristic_collective_combining",
+        }
+    ),
+}
+
+
+def _version_for(value: str | Version | None, names: frozenset[str] | None = None) -> Version:
+    """The jaxlib version flags are emitted for; warns when it is newer than the table, unless
+    every flag in ``names`` was seen accepted by that release (:data:`SEEN_ACCEPTED`)."""
     version = _resolve_version(value)
     if version < OLDEST_CHECKED:
         raise ValueError(
@@ -172,12 +192,14 @@ def _version_for(value: str | Version | None) -> Version:
             f"jaxlib jaxdp's flag table was checked against "
             f"({'.'.join(map(str, OLDEST_CHECKED))}). Fix: upgrade jaxlib (jaxdp needs >= 0.10.2)."
         )
-    if version > NEWEST_CHECKED:
+    seen = SEEN_ACCEPTED.get(version[:3], frozenset())
+    if version > NEWEST_CHECKED and (names is None or not names <= seen):
+        unseen = "" if names is None else f" ({', '.join(sorted(names - seen))} not seen there)"
         warnings.warn(
             f"xla_flags: jaxlib {'.'.join(map(str, version))} is newer than the newest release "
-            f"jaxdp's flag table was checked against ({'.'.join(map(str, NEWEST_CHECKED))}); "
-            "emitting the flags known there. If XLA aborts with 'Unknown flag in XLA_FLAGS', "
-            "update jaxdp's FLAG_TABLE.",
+            f"jaxdp's flag table was checked against ({'.'.join(map(str, NEWEST_CHECKED))})"
+            f"{unseen}; emitting the flags known there. If XLA aborts with 'Unknown flag in "
+            "XLA_FLAGS', update jaxdp's FLAG_TABLE.",
             stacklevel=3,
         )
     return version

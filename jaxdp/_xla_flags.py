@@ -28,7 +28,15 @@ from typing import Final
 import numpy as np
 
 from ._config import AUTO_BUCKET_SIZE, DDPConfig, default_bucket_size
-from ._xla_flag_table import _BY_NAME, FLAG_TABLE, FlagSpec, Version, _version_for, flag_available
+from ._xla_flag_table import (
+    _BY_NAME,
+    FLAG_TABLE,
+    FlagSpec,
+    Version,
+    _resolve_version,
+    _version_for,
+    flag_available,
+)
 from ._xla_flag_table import NEWEST_CHECKED as NEWEST_CHECKED
 from ._xla_flag_table import OLDEST_CHECKED as OLDEST_CHECKED
 
@@ -131,7 +139,7 @@ def xla_compiler_options(
         >>> opts["xla_gpu_enable_latency_hiding_scheduler"]
         True
     """
-    version = _version_for(jaxlib_version)
+    version = _resolve_version(jaxlib_version)  # checked below, once the names are known
     opts: dict[str, bool | int] = {}
     opts.update(combine_thresholds(config, dp_size=dp_size))
     if latency_hiding_scheduler:
@@ -147,6 +155,7 @@ def xla_compiler_options(
         # micro-batch's gathered params alive through this one's backward (measured on 8
         # compile-only H100s, 4.2M-param MLP, G = 4: 4.64 -> 8.88 bytes/param).
         opts["xla_gpu_enable_pipelined_all_gather"] = True
+    _version_for(version, frozenset(opts))
     return {k: v for k, v in opts.items() if _BY_NAME[k].available(version)}
 
 

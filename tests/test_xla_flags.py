@@ -257,3 +257,22 @@ def test_stage3_pipelines_the_scanned_all_gather(h100):
     assert before and after
     assert max(c.gemms_between for c in before) == 0, before
     assert max(c.gemms_between for c in after) >= 1, after
+
+
+def test_flags_seen_accepted_by_a_newer_jaxlib_draw_no_warning():
+    """jaxlib 0.11.2 started a GPU backend with a stage-1 config's six flags (H200, bench_gpu's
+    preflight): those draw no warning there; a flag not seen there (stage 3's pipeliner) does,
+    and names itself; a release with nothing seen warns as before."""
+    import warnings
+
+    from jaxdp._xla_flag_table import _BY_NAME, SEEN_ACCEPTED
+
+    assert all(n in _BY_NAME for names in SEEN_ACCEPTED.values() for n in names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flags = xla_flags(DDPConfig(zero_stage=1, param_dtype="bfloat16"), "0.11.2", dp_size=8)
+    assert len(flags) == 6
+    with pytest.warns(UserWarning, match="xla_gpu_enable_pipelined_all_gather not seen there"):
+        xla_flags(DDPConfig(zero_stage=3), "0.11.2", dp_size=8)
+    with pytest.warns(UserWarning, match="newer than the newest"):
+        xla_flags(DDPConfig(zero_stage=1), "0.11.3", dp_size=8)
