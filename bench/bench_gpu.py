@@ -216,7 +216,8 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
 
 
 def bare(model: GPT, params: Any, batch: Any, steps: int, g: int = 1) -> dict[str, Any]:
-    """Single device, no collectives: bf16 working params, fp32 master, AdamW; with ``g > 1``
+    """Single device, no collectives: bf16 working params, fp32 master, AdamW, the loss and the
+    gradient norm returned (what jaxdp's ``metrics`` hold); with ``g > 1``
     the ``g`` micro-batches' gradients summed in fp32 in a ``lax.scan`` (what jaxdp's
     ``num_microbatches`` does, minus the reduction). Compiled twice: ``cold_compile_s`` pays
     the process's first cuBLAS / cuDNN autotuning, ``compile_s`` (the second) is what the
@@ -249,7 +250,8 @@ def bare(model: GPT, params: Any, batch: Any, steps: int, g: int = 1) -> dict[st
             (grads, loss), _ = jax.lax.scan(body, zero, tokens)
             grads, loss = jax.tree.map(lambda x: x / g, grads), loss / g
         updates, opt_state = opt.update(grads, opt_state, master)
-        return (optax.apply_updates(master, updates), opt_state), loss
+        # The gradient norm too: jaxdp's metrics always carry it (one more read of the grads).
+        return (optax.apply_updates(master, updates), opt_state), (loss, optax.global_norm(grads))
 
     out: dict[str, Any] = {}
     for key in ("cold_compile_s", "compile_s"):
