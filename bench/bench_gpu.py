@@ -215,7 +215,9 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
     }
 
 
-def bare(model: GPT, params: Any, batch: Any, steps: int, g: int = 1) -> dict[str, Any]:
+def bare(
+    model: GPT, params: Any, batch: Any, steps: int, g: int = 1, compiles: int = 2
+) -> dict[str, Any]:
     """Single device, no collectives: bf16 working params, fp32 master, AdamW, the loss and the
     gradient norm returned (what jaxdp's ``metrics`` hold); with ``g > 1``
     the ``g`` micro-batches' gradients summed in fp32 in a ``lax.scan`` (what jaxdp's
@@ -254,7 +256,7 @@ def bare(model: GPT, params: Any, batch: Any, steps: int, g: int = 1) -> dict[st
         return (optax.apply_updates(master, updates), opt_state), (loss, optax.global_norm(grads))
 
     out: dict[str, Any] = {}
-    for key in ("cold_compile_s", "compile_s"):
+    for key in ("cold_compile_s", "compile_s")[-compiles:]:
         jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=0)  # a new cache entry each
         t0 = time.perf_counter()
         compiled = jitted.lower(state, batch).compile()
@@ -515,7 +517,7 @@ def main(argv: list[str] | None = None) -> str:
         t0 = time.perf_counter()
         try:
             if kind == "bare":
-                r = bare(model, params, tokens(bpd), args.steps, what)
+                r = bare(model, params, tokens(bpd), args.steps, what, 1 if args.tiny else 2)
                 rows.append((f"bare jit, 1 device, G = {what}", r, 1, what))
                 record(rows[-1][0], r)
             elif kind == "engine":
@@ -526,7 +528,7 @@ def main(argv: list[str] | None = None) -> str:
             elif kind == "unrolled":
                 flat = GPT(dataclasses.replace(cfg, scan=False))
                 p = flat.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
-                r = bare(flat, p, tokens(bpd), args.steps, what)
+                r = bare(flat, p, tokens(bpd), args.steps, what, 1 if args.tiny else 2)
                 rows.append((f"bare jit, 1 device, G = {what}, blocks unrolled", r, 1, what))
                 record(rows[-1][0], r)
             else:
