@@ -134,6 +134,8 @@ def test_attention_choice():
 
     with pytest.raises(ValueError, match=r"attention='flash'.*'auto'"):
         GPTConfig(attention="flash")
+    with pytest.raises(ValueError, match=r"choice='flash'.*'auto'"):
+        attention_implementation("flash", jnp.bfloat16, 64)
     assert attention_implementation("auto", jnp.bfloat16, 64) == "xla"  # this CPU
     assert attention_implementation("xla", jnp.bfloat16, 64) == "xla"
     assert attention_implementation("cudnn", jnp.float32, 64) == "cudnn"  # forced: jax decides

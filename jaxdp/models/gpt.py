@@ -106,12 +106,17 @@ def attention_implementation(choice: str, dtype: Any, head_dim: int) -> Literal[
     :class:`GPTConfig`). jax's own ``None`` means XLA's, not the best available.
 
     Example:
-        >>> attention_implementation("auto", jnp.float32, 64)  # fp32: cuDNN has no flash kernel
+        >>> attention_implementation("auto", jnp.float32, 64)  # fp32 (or no GPU): XLA's
         'xla'
         >>> attention_implementation("cudnn", jnp.bfloat16, 64)
         'cudnn'
     """
-    if choice in ("cudnn", "xla"):
+    if choice not in ATTENTION:
+        raise ValueError(
+            f"attention_implementation: choice={choice!r}; expected one of {ATTENTION}. Fix: "
+            "choice='auto'."
+        )
+    if choice != "auto":
         return "cudnn" if choice == "cudnn" else "xla"
     on_gpu = jax.default_backend() == "gpu"
     fits = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
