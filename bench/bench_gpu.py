@@ -83,14 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def checked_flags(flags: list[str]) -> tuple[list[str], list[str]]:
-    """The ``flags`` a child process with them in ``XLA_FLAGS`` starts its backend with, and the
-    ones it aborts on (tried one by one only when the whole set fails)."""
+def checked_flags(base: list[str], flags: list[str]) -> tuple[list[str], list[str]]:
+    """The ``flags`` a child process with ``base`` and them in ``XLA_FLAGS`` starts its backend
+    with, and the ones it aborts on (tried one by one only when the whole set fails)."""
 
     def starts(extra: list[str]) -> bool:
-        env = dict(
-            os.environ, XLA_FLAGS=" ".join([*os.environ.get("XLA_FLAGS", "").split(), *extra])
-        )
+        env = dict(os.environ, XLA_FLAGS=" ".join([*base, *extra]))
         code = "import jax; jax.devices()"
         try:
             run = subprocess.run(
@@ -116,14 +114,10 @@ if ARGS is not None and "jax" not in sys.modules:
 
         # The combine thresholds follow the default bucket size; set before jax starts.
         _mine = os.environ.get("XLA_FLAGS", "").split()
-        _named = {f.lstrip("-").split("=", 1)[0] for f in _mine}  # the user's own flags win
-        FLAGS = checked_flags(
-            [
-                f
-                for f in _jaxdp.xla_flags(_jaxdp.DDPConfig(zero_stage=1, param_dtype="bfloat16"))
-                if f.lstrip("-").split("=", 1)[0] not in _named
-            ]
-        )
+        # apply_xla_flags leaves the user's own flags in place and returns what it added; of
+        # those, only the ones a child process starts with are kept.
+        _added = _jaxdp.apply_xla_flags(_jaxdp.DDPConfig(zero_stage=1, param_dtype="bfloat16"))
+        FLAGS = checked_flags(_mine, _added)
         os.environ["XLA_FLAGS"] = " ".join([*_mine, *FLAGS[0]])
 
 import jax  # noqa: E402

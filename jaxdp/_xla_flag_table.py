@@ -182,7 +182,7 @@ SEEN_ACCEPTED: Final[dict[Version, frozenset[str]]] = {
 }
 
 
-def _version_for(value: str | Version | None, names: frozenset[str] | None = None) -> Version:
+def _version_for(value: str | Version | None, names: frozenset[str]) -> Version:
     """The jaxlib version flags are emitted for; warns when it is newer than the table, unless
     every flag in ``names`` was seen accepted by that release (:data:`SEEN_ACCEPTED`)."""
     version = _resolve_version(value)
@@ -193,8 +193,8 @@ def _version_for(value: str | Version | None, names: frozenset[str] | None = Non
             f"({'.'.join(map(str, OLDEST_CHECKED))}). Fix: upgrade jaxlib (jaxdp needs >= 0.10.2)."
         )
     seen = SEEN_ACCEPTED.get(version[:3], frozenset())
-    if version > NEWEST_CHECKED and (names is None or not names <= seen):
-        unseen = "" if names is None else f" ({', '.join(sorted(names - seen))} not seen there)"
+    if version > NEWEST_CHECKED and not names <= seen:
+        unseen = f" ({', '.join(sorted(names - seen))} not seen there)"
         warnings.warn(
             f"xla_flags: jaxlib {'.'.join(map(str, version))} is newer than the newest release "
             f"jaxdp's flag table was checked against ({'.'.join(map(str, NEWEST_CHECKED))})"
