@@ -30,6 +30,7 @@ import optax
 
 from ._host_eval import evaluate
 from ._layout import BucketLayout
+from ._optim_known import known_elementwise
 
 __all__ = ["check_optimizer"]
 
@@ -180,10 +181,15 @@ def check_optimizer(optimizer: Any, layout: BucketLayout, dtype: Any = jnp.float
 
     Only the interleaved layout needs the check; the Megatron layout hands the optimizer a
     tuple of flat per-bucket shards, so it accepts only optimizers that ignore the tree
-    structure (no masks) and are elementwise, which the same probe verifies. The numeric
-    probe runs outside any trace the caller is in (:func:`_untraced`).
+    structure (no masks) and are elementwise, which the same probe verifies. On the interleaved
+    layout an optimizer made only of optax transformations known to be elementwise
+    (:func:`jaxdp._optim_known.known_elementwise`: adam, adamw, sgd, lion, lamb, clipping,
+    masks given as pytrees, schedules) needs no probe. The numeric probe runs outside any trace
+    the caller is in (:func:`_untraced`).
     """
     if layout.kind == "contiguous":
+        return
+    if layout.kind == "interleaved" and known_elementwise(optimizer, layout.treedef):
         return
     if layout.kind == "megatron":
         try:

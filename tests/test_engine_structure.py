@@ -258,3 +258,31 @@ def test_init_compiles_one_program(stage, dp_size):
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(from_host), strict=True):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_init_traces_the_state_once(stage, monkeypatch):
+    """``init`` traces the state once: its ``eval_shape`` (for the ``out_shardings``) and the
+    ``jit`` that builds the state share jax's trace cache, which a change to either call's
+    arguments would break (tracing AdamW's ``init`` costs 1.3 s at 1,000 parameters on a
+    2-core CPU). The state carries exactly the shardings ``state_shardings`` reports, and the
+    abstract state its shapes. (Putting a sharding constraint on every leaf inside the traced
+    function instead of ``out_shardings`` cost more in tracing and in XLA than it saved.)"""
+    import jaxdp._strategy as strategy_module
+
+    calls = []
+    init_state = strategy_module.Strategy.init_state
+    monkeypatch.setattr(
+        strategy_module.Strategy,
+        "init_state",
+        lambda self, p: calls.append(1) or init_state(self, p),
+    )
+    dp = DataParallel(mse_loss, optax.adamw(1e-2), DDPConfig(zero_stage=stage))
+    state = dp.init(mlp_params())
+    assert calls == [1]
+    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(dp.state_shardings), strict=True):
+        assert x.sharding.is_equivalent_to(sh, x.ndim), (x.shape, x.sharding, sh)
+    abstract = jax.eval_shape(lambda: state)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), dp.abstract_state) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), abstract
+    )
