@@ -88,13 +88,16 @@ LLVM +0.2 to 0.4 s (the same number of kernels, 48 instead of 39 instructions pe
 kernel: the data dependences that order the gathers bucket by bucket on GPUs), the fusion
 passes +0.1 to 0.2 s, SPMD partitioner and Shardy +0.25 s.
 
-The optimizer probe in `init` ("probe" column: three optimizer steps on small probe tensors, to
-refuse optimizers that would change when sharded) traces `init` and one step for the whole and
-the sharded tree and evaluates them with NumPy (`jaxdp._host_eval`): it compiles nothing, and
-costs {big["stage1_probe"]:.1f} s at {big["leaves"]} leaves, nearly all of it jax tracing the
-two step programs. Op by op through jax it took 1.06 s at 10 leaves in a fresh process (every
-distinct op compiles once; the old in-process table, whose earlier runs had warmed those caches,
-showed 0.03 s) and 4.3 s at 1,000. What we tried and dropped:
+The optimizer probe in `init` (three optimizer steps on small probe tensors, to refuse
+optimizers that would change when sharded) does not run for this AdamW: a chain made only of
+optax's elementwise and norm-based transformations with plain settings is recognised from its
+parts (`jaxdp._optim_known`), and the "probe" column ({1e3 * big["stage1_probe"]:.1f} ms at
+{big["leaves"]} leaves) is that recognition. An optimizer it does not recognise (a callable
+mask, `multi_transform`, `inject_hyperparams`, one of your own) is probed as before: `init` and
+one step traced for the whole and the sharded tree and evaluated with NumPy (`jaxdp._host_eval`),
+compiling nothing, 3.3 s at 1,000 leaves in the last table that ran it for AdamW (nearly all of
+it jax tracing the two step programs). Op by op through jax it took 1.06 s at 10 leaves in a
+fresh process (every distinct op compiles once) and 4.3 s at 1,000. What we tried and dropped:
 `--xla_cpu_use_fusion_emitters=false` (slice fusions 4x cheaper, the whole step slower to
 compile), building buckets with `dynamic_update_slice` (slower), jitting the optimizer probe
 (1,000 leaves 15 s), disabling Python's garbage collector

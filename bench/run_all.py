@@ -52,6 +52,7 @@ import bench_step  # noqa: E402
 import bench_traffic  # noqa: E402
 import bench_zero3  # noqa: E402
 import jax  # noqa: E402
+from _sections import splice_section  # noqa: E402
 from readings import (  # noqa: E402
     comm_reading,
     compile_reading,
@@ -269,6 +270,24 @@ def _section(title: str, module: str, seconds: float, body: str) -> str:
     return f"## {title}: `bench/{module}.py` ({seconds:.0f} s)\n\n{body}"
 
 
+def compile_section(res: dict[str, Any], seconds: float) -> str:
+    """Section 7 (compile time), table and reading."""
+    title = "7. Compile time vs parameter leaves"
+    return f"{_section(title, 'bench_compile', seconds, res['markdown'])}\n\n{compile_reading(res)}"
+
+
+def measured_alone(cmd: str) -> str:
+    """The provenance line of a section measured on its own (``--only``): its machine and
+    commit need not be those of the Machine section."""
+    head = _git("rev-parse", "--short", "HEAD") or "unknown"
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+    return (
+        f"*Measured alone by `{cmd}` at `{head}` on {when} UTC ({_cpu_model()}, nproc = "
+        f"{os.cpu_count()}); the other sections are from the run in the Machine section, so "
+        "compare seconds only within this section.*"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument(
@@ -284,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--plots", default=None, help="folder for the PNG plots (default: bench/, linked)"
     )
+    p.add_argument(
+        "--only",
+        choices=["compile"],
+        default=None,
+        help="measure one section and replace it in the existing --out file, with a line "
+        "saying where and when (section 7 alone takes most of the whole run)",
+    )
     args = p.parse_args(argv)
     quick = args.quick
     if args.out is None:
@@ -292,6 +318,13 @@ def main(argv: list[str] | None = None) -> None:
             if quick
             else os.path.join(ROOT, "BENCHMARKS.md")
         )
+    if args.only == "compile":
+        res, _, seconds = _run(lambda: bench_compile.main(quick=quick))
+        cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+        text = f"{compile_section(res, seconds)}\n\n{measured_alone(cmd)}"
+        splice_section(args.out, 7, text)
+        print(f"\nreplaced section 7 of {args.out} ({seconds:.0f} s)")
+        return
     if quick and args.plots is None:
         args.plots = tempfile.mkdtemp(prefix="jaxdp-bench-plots-")
     if args.plots is not None:
@@ -371,9 +404,7 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {numerics_reading(numerics)}
 
-{_section("7. Compile time vs parameter leaves", "bench_compile", t_compile, compile_["markdown"])}
-
-{compile_reading(compile_)}
+{compile_section(compile_, t_compile)}
 
 {_section("8. Scaling vs device count and model size", "bench_scaling", t_scaling, scal_md)}
 

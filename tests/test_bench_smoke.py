@@ -61,3 +61,16 @@ def test_bench_gpu_tiny_writes_its_section(tmp_path):
     assert "old" not in text and text.startswith("# x") and text.rstrip().endswith("tail")
     for variant in ("bare jit, 1 device", "jaxdp stage 3, G = 4, 2 devices", "fused=True"):
         assert variant in text, variant
+
+
+def test_only_one_section_is_replaced():
+    """``run_all.py --only compile`` measures section 7 alone and splices it into the existing
+    file (``bench/_sections.py``; its docstring is the example, run here)."""
+    import doctest
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_sections", f"{ROOT}/bench/_sections.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = doctest.testmod(module)
+    assert result.attempted >= 3 and result.failed == 0
