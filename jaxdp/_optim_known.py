@@ -63,9 +63,14 @@ _KNOWN: dict[str, frozenset[str]] = {
 _SCHEDULE_SLOTS = frozenset({"learning_rate", "step_size_fn"})
 
 
+# Schedules: functions of the step count alone (not ``optax.schedules._inject``, whose
+# ``inject_hyperparams`` wraps a whole optimizer).
+_SCHEDULE_MODULES = frozenset({"optax.schedules._schedule", "optax.schedules._join"})
+
+
 def _known_function(fn: types.FunctionType) -> bool:
     module = fn.__module__ or ""
-    if module.startswith("optax.schedules."):  # functions of the step count
+    if module in _SCHEDULE_MODULES:
         return True
     factory = fn.__qualname__.split(".<locals>.", 1)[0]
     return factory in _KNOWN.get(module, frozenset())

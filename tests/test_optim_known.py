@@ -45,6 +45,9 @@ KNOWN = {
     "amsgrad": lambda: optax.amsgrad(1e-3),
     "clip + adam": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)),
     "clip elementwise + sgd": lambda: optax.chain(optax.clip(0.01), optax.sgd(0.1)),
+    "weight decay from a schedule": lambda: optax.chain(
+        optax.add_decayed_weights(optax.linear_schedule(0.1, 0.0, 10)), optax.sgd(0.1)
+    ),
     "masked decay + adam": lambda: optax.chain(
         optax.masked(optax.add_decayed_weights(0.1), NOT_BIAS), optax.adam(1e-2)
     ),
@@ -62,6 +65,9 @@ UNKNOWN = {
         jax.tree.map(lambda x: "w" if x.ndim > 1 else "b", PARAMS),
     ),
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+    "inject_hyperparams of a known transformation": lambda: optax.inject_hyperparams(
+        optax.scale_by_adam
+    )(b1=0.9),
     "MultiSteps": lambda: optax.MultiSteps(optax.adam(1e-3), 2),
     "adagrad": lambda: optax.adagrad(1e-2),
     "mask of another tree": lambda: optax.adamw(1e-3, mask={"other": True}),
