@@ -110,18 +110,26 @@ def _mem_gib() -> str:
         return "unknown"
 
 
-def machine() -> str:
+def _source() -> str:
+    """The commit measured, and whether jaxdp/ differed from it."""
     head = _git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = _git("status", "--porcelain", "--", "jaxdp")
-    src = f"`{head}`" + (
+    return f"`{head}`" + (
         f", with uncommitted changes in jaxdp/: {', '.join(ln[3:] for ln in dirty.splitlines())}"
         if dirty
         else ", jaxdp/ clean"
     )
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def machine() -> str:
     devs = jax.devices()
     rows = [
-        ("Date (UTC)", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")),
-        ("Commit", src),
+        ("Date (UTC)", _now()),
+        ("Commit", _source()),
         ("CPU", f"{_cpu_model()}, nproc = {os.cpu_count()}"),
         ("Memory", _mem_gib()),
         ("OS / Python", f"{platform.platform()} / {platform.python_version()}"),
@@ -279,10 +287,8 @@ def compile_section(res: dict[str, Any], seconds: float) -> str:
 def measured_alone(cmd: str) -> str:
     """The provenance line of a section measured on its own (``--only``): its machine and
     commit need not be those of the Machine section."""
-    head = _git("rev-parse", "--short", "HEAD") or "unknown"
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
     return (
-        f"*Measured alone by `{cmd}` at `{head}` on {when} UTC ({_cpu_model()}, nproc = "
+        f"*Measured alone by `{cmd}` at {_source()} on {_now()} UTC ({_cpu_model()}, nproc = "
         f"{os.cpu_count()}); the other sections are from the run in the Machine section, so "
         "compare seconds only within this section.*"
     )
