@@ -59,12 +59,10 @@ _KNOWN: dict[str, frozenset[str]] = {
         }
     ),
 }
-# Closure slots that hold a schedule: a function of the step count alone.
-_SCHEDULE_SLOTS = frozenset({"learning_rate", "step_size_fn"})
-
-
-# Schedules: functions of the step count alone (not ``optax.schedules._inject``, whose
+# Schedules, functions of the step count alone: any function in these closure slots, and
+# optax's own schedules wherever they appear (not ``optax.schedules._inject``, whose
 # ``inject_hyperparams`` wraps a whole optimizer).
+_SCHEDULE_SLOTS = frozenset({"learning_rate", "step_size_fn"})
 _SCHEDULE_MODULES = frozenset({"optax.schedules._schedule", "optax.schedules._join"})
 
 
