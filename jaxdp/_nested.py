@@ -64,10 +64,11 @@ class PlainOps:
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
-        """Squared L2 norm of this rank's reduced gradients. Dense buckets are the same on
-        every rank of the group; each expert rank holds other experts, whose squares are
-        summed over the expert axis."""
-        pairs = list(zip(red, self.groups, strict=True))
+        """Squared L2 norm of this rank's reduced gradients (one array per entry of
+        ``reduce_buckets``: a bucket, or a parameter in :mod:`jaxdp._per_param`), summed
+        array by array. Dense arrays are the same on every rank of the group; each expert rank
+        holds other experts, whose squares are summed over the expert axis."""
+        pairs = list(zip(red, self.reduce_groups, strict=True))
         sq = jnp.sum(
             jnp.stack([jnp.sum(jnp.square(r)) for r, g in pairs if not g.expert] or [jnp.zeros(())])
         )
