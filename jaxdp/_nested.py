@@ -63,12 +63,13 @@ class PlainOps:
             out.append(jax.lax.pcast(w, axes, to="varying") if axes else w)
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
-        """Squared L2 norm of this rank's reduced gradients (one array per entry of
-        ``reduce_buckets``: a bucket, or a parameter in :mod:`jaxdp._per_param`), summed
-        array by array. Dense arrays are the same on every rank of the group; each expert rank
-        holds other experts, whose squares are summed over the expert axis."""
-        pairs = list(zip(red, self.reduce_groups, strict=True))
+    def square_norm(self, red: Sequence[jax.Array], groups: Any = None) -> jax.Array:
+        """Squared L2 norm of this rank's reduced gradients, summed array by array: one array
+        per entry of ``reduce_buckets`` (a bucket, or a parameter in :mod:`jaxdp._per_param`),
+        or per entry of ``groups`` when given. Dense arrays are the same on every rank of the
+        group; each expert rank holds other experts, whose squares are summed over the expert
+        axis."""
+        pairs = list(zip(red, self.reduce_groups if groups is None else groups, strict=True))
         sq = jnp.sum(
             jnp.stack([jnp.sum(jnp.square(r)) for r, g in pairs if not g.expert] or [jnp.zeros(())])
         )

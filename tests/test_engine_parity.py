@@ -236,6 +236,52 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
         np.testing.assert_allclose(n_b, ref_norms, rtol=1e-5)
 
 
+@pytest.mark.parametrize("stage,dp_size", [(0, 8), (1, 8), (1, 6), (2, 3)])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size, clip):
+    """On GPUs the per-parameter paths (stage 0 here on XLA:CPU, stages 1-2 with the
+    interleaved layout) sum the gradient norm parameter by parameter, on XLA:CPU over each
+    bucket rebuilt from its parameters (jaxdp._per_param.norm_per_parameter). The GPU's sum
+    runs here too, forced: the same norm up to the order of its fp32 additions, the same
+    params bit for bit where the norm does not enter the update, and both held to the
+    reference where it does (clipping)."""
+    import jaxdp._per_param as per_param
+    from jaxdp import make_mesh
+    from jaxdp.testing import tolerance
+
+    params, batches = data
+    batches = [jax.tree.map(lambda x: x[: 8 * dp_size], b) for b in batches[:4]]
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    cfg = DDPConfig(zero_stage=stage, clip_grad=clip, bucket_size=200, num_microbatches=2)
+    mesh = make_mesh(devices=jax.devices()[:dp_size])
+
+    def train():
+        dp = DataParallel(mse_loss, opt, cfg, mesh=mesh)
+        state = dp.init(params)
+        norms = []
+        for b in batches:
+            state, m = dp.step(state, dp.shard_batch(b))
+            norms.append(float(m["grad_norm"]))
+        return dp, state, norms
+
+    dp_b, s_b, n_b = train()
+    monkeypatch.setattr(per_param, "norm_per_parameter", lambda platform: True)
+    dp_p, s_p, n_p = train()
+    assert dp_p.plan.strategy.reduces_per_parameter
+    assert dp_p.plan.strategy.ops.norm_per_parameter
+    assert not dp_b.plan.strategy.ops.norm_per_parameter
+    assert len(dp_p.layout.buckets) > 1
+    np.testing.assert_allclose(n_p, n_b, rtol=tolerance(jnp.float32))
+    if clip is None:
+        for a, b in zip(jax.tree.leaves(s_p.params), jax.tree.leaves(s_b.params), strict=True):
+            np.testing.assert_array_equal(a, b)
+    ref, ref_norms = reference_train(mse_loss, opt, params, batches, clip=clip)
+    if clip is not None:
+        assert min(ref_norms) > clip  # clipping was active
+    assert max_rel_err(dp_p.params(s_p), ref) < 1e-6
+    np.testing.assert_allclose(n_p, ref_norms, rtol=1e-5)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize(
     ("g", "extra", "dp_size"),
