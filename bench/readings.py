@@ -81,12 +81,25 @@ keep them). What is left, from `perf` on a fresh process at 1,000 leaves (stage-
 19.2 s against plain `jit`'s 11.9 s): Shardy's handling of the `shard_map` operands (+2.1 s,
 most of it `eraseManualAxes`, which grows with the number of operands: one per parameter,
 master shard and moment), XLA:CPU's thunk execution graph (+2.1 s: 2,000 more collective
-thunks), the SPMD partitioner (+0.5 s) and more fusions to emit (the padded views). On the
-compile-only H100s at 100 leaves (XLA's own pass timings from a profile, measured once by hand:
-XLA compile 2.20 s against plain `jit`'s 1.47 s) the extra is spread thin: PTX to CUBIN and
-LLVM +0.2 to 0.4 s (the same number of kernels, 48 instead of 39 instructions per update
-kernel: the data dependences that order the gathers bucket by bucket on GPUs), the fusion
-passes +0.1 to 0.2 s, SPMD partitioner and Shardy +0.25 s.
+thunks), the SPMD partitioner (+0.5 s) and more fusions to emit (the padded views).
+
+On the compile-only H100s (XLA's own pass timings from a profile, one fresh process each,
+`--xla_gpu_force_compilation_parallelism=1`, measured by hand): at 1,000 leaves plain `jit`'s
+XLA compile took 41.8 s and stage 1's 69.5 s, of it multi-output fusion 6.3 against 16.5 s and
+the SPMD partitioner with Shardy 2.9 against 9.8 s. Most of the multi-output fusion was the
+gradient norm, summed over each bucket rebuilt from its parameters' reduced shards (a
+concatenation of every gradient); summed parameter by parameter on GPUs
+(`jaxdp._per_param.norm_per_parameter`) stage 1's XLA compile took 56.9 s, multi-output fusion
+7.3 s, partitioner and Shardy 7.9 s. XLA:CPU keeps the bucket sum: it compiles one reduction of
+a concatenation far faster than one per parameter (its fusion pass 1.3 s against 7.7 s at 1,000
+leaves). At 100 leaves the rest of the gap is kernels: 32 distinct kernels against plain
+`jit`'s 15, each its own LLVM module (50-70 ms of CPU each). Identical fusions become distinct
+kernels when their buffers' alignment differs (XLA specialises a kernel on it): stage 1's
+donated working params are dead from their last use until the gather rewrites them, XLA
+places temporaries in them (the first layer's kernel, last read by the first GEMM, holds the
+second layer's activation), and an entry parameter is 16-byte aligned where XLA's own buffers
+are 256-byte aligned, so the forward, input-gradient and weight-gradient GEMMs of the MLP come
+in three alignments each.
 
 The optimizer probe in `init` (three optimizer steps on small probe tensors, to refuse
 optimizers that would change when sharded) does not run for this AdamW: a chain made only of
