@@ -5,7 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_batch, max_rel_err, mlp_params, mse_loss, reference_train
+from _models import (
+    make_batch,
+    max_rel_err,
+    mlp_params,
+    mse_loss,
+    reference_train,
+    train_steps,
+)
 
 from jaxdp import DataParallel, DDPConfig
 
@@ -21,6 +28,13 @@ def run(config, optimizer, params, batches, loss_fn=mse_loss):
         state, m = dp.step(state, dp.shard_batch(b))
         metrics.append(m)
     return dp, state, metrics
+
+
+def train_on(mesh, config, optimizer, params, batches):
+    """A fresh engine on ``mesh`` trained over ``batches``: ``(engine, state, grad norms)``."""
+    dp = DataParallel(mse_loss, optimizer, config, mesh=mesh)
+    state, norms = train_steps(dp, dp.init(params), batches)
+    return dp, state, norms
 
 
 @pytest.fixture(scope="module")
@@ -212,18 +226,9 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
     mesh = make_mesh(devices=jax.devices()[:dp_size])
     batches = [jax.tree.map(lambda x: x[: 48 if dp_size == 6 else 64], b) for b in batches]
 
-    def train(loss_fn=mse_loss):
-        dp = DataParallel(loss_fn, opt, cfg, mesh=mesh)
-        state = dp.init(params)
-        norms = []
-        for b in batches:
-            state, m = dp.step(state, dp.shard_batch(b))
-            norms.append(float(m["grad_norm"]))
-        return dp, state, norms
-
-    per_param, s_pp, n_pp = train()
+    per_param, s_pp, n_pp = train_on(mesh, cfg, opt, params, batches)
     monkeypatch.setattr(plan_module, "per_parameter_all_reduce", lambda *a: False)
-    bucketed, s_b, n_b = train()
+    bucketed, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
     assert per_param.plan.strategy.reduces_per_parameter
     assert not bucketed.plan.strategy.reduces_per_parameter
     assert len(bucketed.layout.buckets) > 3
@@ -255,18 +260,9 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
     cfg = DDPConfig(zero_stage=stage, clip_grad=clip, bucket_size=200, num_microbatches=2)
     mesh = make_mesh(devices=jax.devices()[:dp_size])
 
-    def train():
-        dp = DataParallel(mse_loss, opt, cfg, mesh=mesh)
-        state = dp.init(params)
-        norms = []
-        for b in batches:
-            state, m = dp.step(state, dp.shard_batch(b))
-            norms.append(float(m["grad_norm"]))
-        return dp, state, norms
-
-    dp_b, s_b, n_b = train()
+    dp_b, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
     monkeypatch.setattr(per_param, "norm_per_parameter", lambda platform: True)
-    dp_p, s_p, n_p = train()
+    dp_p, s_p, n_p = train_on(mesh, cfg, opt, params, batches)
     assert dp_p.plan.strategy.reduces_per_parameter
     assert dp_p.plan.strategy.ops.norm_per_parameter
     assert not dp_b.plan.strategy.ops.norm_per_parameter
