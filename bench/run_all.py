@@ -284,6 +284,20 @@ def compile_section(res: dict[str, Any], seconds: float) -> str:
     return f"{_section(title, 'bench_compile', seconds, res['markdown'])}\n\n{compile_reading(res)}"
 
 
+def dispatch_section(res: dict[str, Any], seconds: float) -> str:
+    """Section 12 (host time per step), table and reading."""
+    title = "12. Host time per step"
+    body = _section(title, "bench_dispatch", seconds, res["markdown"])
+    return f"{body}\n\n{dispatch_reading(res)}"
+
+
+# --only: section number, measurement (quick -> results), section text (results, seconds)
+ALONE: dict[str, tuple[int, Any, Any]] = {
+    "compile": (7, lambda quick: bench_compile.main(quick=quick), compile_section),
+    "dispatch": (12, lambda quick: bench_dispatch.main_result(quick=quick), dispatch_section),
+}
+
+
 def measured_alone(cmd: str) -> str:
     """The provenance line of a section measured on its own (``--only``): its machine and
     commit need not be those of the Machine section."""
@@ -311,10 +325,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--only",
-        choices=["compile"],
+        choices=sorted(ALONE),
         default=None,
-        help="measure one section and replace it in the existing --out file, with a line "
-        "saying where and when (section 7 alone takes most of the whole run)",
+        help="measure one section (compile: 7, dispatch: 12) and replace it in the existing "
+        "--out file, with a line saying where and when (section 7 alone takes most of the "
+        "whole run)",
     )
     args = p.parse_args(argv)
     quick = args.quick
@@ -324,12 +339,13 @@ def main(argv: list[str] | None = None) -> None:
             if quick
             else os.path.join(ROOT, "BENCHMARKS.md")
         )
-    if args.only == "compile":
-        res, _, seconds = _run(lambda: bench_compile.main(quick=quick))
+    if args.only is not None:
+        number, measure, section = ALONE[args.only]
+        res, _, seconds = _run(lambda: measure(quick))
         cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
-        text = f"{compile_section(res, seconds)}\n\n{measured_alone(cmd)}"
-        splice_section(args.out, 7, text)
-        print(f"\nreplaced section 7 of {args.out} ({seconds:.0f} s)")
+        text = f"{section(res, seconds)}\n\n{measured_alone(cmd)}"
+        splice_section(args.out, number, text)
+        print(f"\nreplaced section {number} of {args.out} ({seconds:.0f} s)")
         return
     if quick and args.plots is None:
         args.plots = tempfile.mkdtemp(prefix="jaxdp-bench-plots-")
@@ -424,9 +440,7 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {traffic_reading(traffic)}
 
-{_section("12. Host time per step", "bench_dispatch", t_dispatch, dispatch["markdown"])}
-
-{dispatch_reading(dispatch)}
+{dispatch_section(dispatch, t_dispatch)}
 
 ## 13. GPU: `bench/bench_gpu.py`
 

@@ -76,10 +76,11 @@ def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout, platform: 
     )
 
 
-def norm_per_parameter(platform: str) -> bool:
-    """Whether the per-parameter paths sum the gradient norm parameter by parameter (GPUs) or
-    over each bucket rebuilt from its parameters (XLA:CPU): see :class:`_PerParameter`."""
-    return platform != "cpu"
+def norm_per_parameter(platform: str, dp_size: int) -> bool:
+    """Whether the per-parameter paths sum the gradient norm parameter by parameter (GPUs,
+    more than one rank) or over each bucket rebuilt from its parameters (XLA:CPU, or one
+    rank): see :class:`_PerParameter`."""
+    return platform != "cpu" and dp_size > 1
 
 
 class _PerParameter(PlainOps):
@@ -94,11 +95,14 @@ class _PerParameter(PlainOps):
       each bucket from its reduced parameters to sum it, XLA:GPU's multi-output fusion and
       partitioner spent 12.6 s more on the concatenation (8 compile-only H100s, 1,000 leaves:
       stage 1's XLA compile 69.5 s against 56.9 s; plain ``jit`` 41.8 s), and the 1/dp scale
-      of every gradient ran as a pass of its own rather than inside the update;
-    * on XLA:CPU over each bucket rebuilt by the layout's own fill (gaps and padding zero), so
-      the norm is the bucketed path's (and stage 3's) bit for bit: XLA:CPU compiles one
-      reduction of a concatenation far faster than one per parameter (1,000 leaves: its
-      fusion pass 1.3 s against 7.7 s).
+      of every gradient ran as a pass of its own rather than inside the update (as many
+      kernels as the per-parameter reductions: 100 leaves, 458 against 459 launches);
+    * on XLA:CPU, and with one rank, over each bucket rebuilt by the layout's own fill (gaps and
+      padding zero), so the norm is the bucketed path's (and stage 3's) bit for bit. XLA:CPU
+      compiles one reduction of a concatenation far faster than one per parameter (1,000
+      leaves: its fusion pass 1.3 s against 7.7 s); with one rank nothing is scaled, the
+      concatenation fused into its reduction is one kernel, and one per parameter would add
+      launches (one compile-only H100, 128 leaves: 1.19x the bare step's 381, against 1.03x).
     """
 
     def __init__(self, *args: Any, **kw: Any):
@@ -106,7 +110,7 @@ class _PerParameter(PlainOps):
         lay = self.layout
         self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
-        self.norm_per_parameter = norm_per_parameter(self.group.platform)
+        self.norm_per_parameter = norm_per_parameter(self.group.platform, self.group.size)
 
     def square_norm(self, red: Sequence[jax.Array], groups: Any = None) -> jax.Array:
         if self.norm_per_parameter or groups is not None:

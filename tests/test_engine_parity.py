@@ -244,12 +244,12 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
 @pytest.mark.parametrize("stage,dp_size", [(0, 8), (1, 8), (1, 6), (2, 3)])
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
 def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size, clip):
-    """On GPUs the per-parameter paths (stage 0 here on XLA:CPU, stages 1-2 with the
-    interleaved layout) sum the gradient norm parameter by parameter, on XLA:CPU over each
-    bucket rebuilt from its parameters (jaxdp._per_param.norm_per_parameter). The GPU's sum
-    runs here too, forced: the same norm up to the order of its fp32 additions, the same
-    params bit for bit where the norm does not enter the update, and both held to the
-    reference where it does (clipping)."""
+    """On GPUs with more than one rank the per-parameter paths (stage 0 here on XLA:CPU,
+    stages 1-2 with the interleaved layout) sum the gradient norm parameter by parameter, on
+    XLA:CPU over each bucket rebuilt from its parameters
+    (jaxdp._per_param.norm_per_parameter). The GPU's sum runs here too, forced: the same norm
+    up to the order of its fp32 additions, the same params bit for bit where the norm does not
+    enter the update, and both held to the reference where it does (clipping)."""
     import jaxdp._per_param as per_param
     from jaxdp import make_mesh
     from jaxdp.testing import tolerance
@@ -261,7 +261,7 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
     mesh = make_mesh(devices=jax.devices()[:dp_size])
 
     dp_b, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
-    monkeypatch.setattr(per_param, "norm_per_parameter", lambda platform: True)
+    monkeypatch.setattr(per_param, "norm_per_parameter", lambda platform, dp_size: True)
     dp_p, s_p, n_p = train_on(mesh, cfg, opt, params, batches)
     assert dp_p.plan.strategy.reduces_per_parameter
     assert dp_p.plan.strategy.ops.norm_per_parameter
