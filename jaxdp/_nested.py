@@ -63,13 +63,16 @@ class PlainOps:
             out.append(jax.lax.pcast(w, axes, to="varying") if axes else w)
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def square_norm(self, red: Sequence[jax.Array], groups: Any = None) -> jax.Array:
+    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
         """Squared L2 norm of this rank's reduced gradients, summed array by array: one array
-        per entry of ``reduce_buckets`` (a bucket, or a parameter in :mod:`jaxdp._per_param`),
-        or per entry of ``groups`` when given. Dense arrays are the same on every rank of the
-        group; each expert rank holds other experts, whose squares are summed over the expert
-        axis."""
-        pairs = list(zip(red, self.reduce_groups if groups is None else groups, strict=True))
+        per entry of ``reduce_buckets`` (a bucket, or a parameter in :mod:`jaxdp._per_param`)."""
+        return self._sum_squares(red, self.reduce_groups)
+
+    def _sum_squares(self, arrays: Sequence[jax.Array], groups: Sequence[Any]) -> jax.Array:
+        """The squares of ``arrays`` summed, each array reduced over its entry of ``groups``.
+        Dense arrays are the same on every rank of the group; each expert rank holds other
+        experts, whose squares are summed over the expert axis."""
+        pairs = list(zip(arrays, groups, strict=True))
         sq = jnp.sum(
             jnp.stack([jnp.sum(jnp.square(r)) for r, g in pairs if not g.expert] or [jnp.zeros(())])
         )

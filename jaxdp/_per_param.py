@@ -112,14 +112,14 @@ class _PerParameter(PlainOps):
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
         self.norm_per_parameter = norm_per_parameter(self.group.platform, self.group.size)
 
-    def square_norm(self, red: Sequence[jax.Array], groups: Any = None) -> jax.Array:
-        if self.norm_per_parameter or groups is not None:
-            return super().square_norm(red, groups)
+    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
+        if self.norm_per_parameter:
+            return super().square_norm(red)
         lay = self.layout
         buckets = [
             lay._fill(b, {i: red[i] for i in b.slots}, red[b.slots[0]].dtype) for b in lay.buckets
         ]
-        return super().square_norm(buckets, self.groups)
+        return self._sum_squares(buckets, self.groups)
 
 
 class AllReduceOps(_PerParameter):
