@@ -2,7 +2,8 @@
 
 Meant for a machine with NVIDIA GPUs (nothing here needs one: ``--tiny`` runs a small model on
 the CPU as a check of the script). Same process, same model (``jaxdp.models.GPT``, cuDNN flash
-attention through ``jax.nn.dot_product_attention``), same per-device batch:
+attention through ``jax.nn.dot_product_attention``), same per-device batch (sequences of
+the main job's default corpus, the Python standard library's source):
 
 * **bare**: ``jax.jit`` of value_and_grad + AdamW on one device, bf16 working params with an
   fp32 master copy (what jaxdp's ``param_dtype="bfloat16"`` keeps), no collectives;
@@ -12,10 +13,11 @@ attention through ``jax.nn.dot_product_attention``), same per-device batch:
 * **fusion**: ``bench_fusion.py``'s MLP of 8 ``jaxdp.nn.Dense`` 4096x4096 (bf16, ``G = 8``)
   with ``gradient_accumulation_fusion`` off and on.
 
-Per variant: the first call (trace + compile) in seconds; **blocking** ms/step (median,
-``block_until_ready`` after every step); **pipelined** ms/step (15 steps dispatched back to
-back, one block, median of rounds); **host ms/call**: how long each of those pipelined
-calls takes to return (the host's dispatch work per step); **device busy** ms/step (a
+Per variant: the first call (trace + compile) in seconds; then, after a warm-up of at least 3
+steps and 1 s, **blocking** ms/step (median, ``block_until_ready`` after every step);
+**pipelined** ms/step (15 steps dispatched back to back, one block, median of rounds); **host
+ms/call**: how long each of those pipelined calls takes to return (the host's dispatch work
+per step); **device busy** ms/step (a
 ``jax.profiler`` trace of 5 pipelined steps read with ``jax.profiler.ProfileData``: the
 union of the GPU streams' op intervals, divided by 5); **peak** memory of the compiled
 program (arguments + outputs - aliased + temp, ``memory_analysis()``); and **MFU** =
@@ -127,6 +129,7 @@ import optax  # noqa: E402
 
 import jaxdp  # noqa: E402
 from jaxdp.models import GPT, GPTConfig, attention_implementation, next_byte_loss  # noqa: E402
+from jaxdp.train._data import CorpusError, batch_rows, load_corpus  # noqa: E402
 from jaxdp.train._mfu import peak_tflops, train_flops_per_token  # noqa: E402
 
 START, END = "<!-- bench_gpu:start -->", "<!-- bench_gpu:end -->"
@@ -167,8 +170,14 @@ def busy_ms(step: Any, state: Any, batch: Any, n: int = 5) -> tuple[float | None
 
 def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dict[str, Any]:
     """Blocking and pipelined ms/step, device busy ms/step and compiled peak bytes."""
-    state, m = step(state, batch)  # warm-up (compiled already)
-    jax.block_until_ready(m)
+    # Warm-up (compiled already): at least 3 steps and 1 s. The first variant of a process
+    # otherwise times its first steps on a cold device (clocks ramping, first allocations):
+    # an H200's bare row measured 51-52 ms blocking against 40-41 ms pipelined that way.
+    t0, warm = time.perf_counter(), 0
+    while warm < 3 or time.perf_counter() - t0 < 1.0:
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        warm += 1
     blocking = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -316,6 +325,19 @@ def main_job(steps: int, config: str = MAIN_CONFIG, timeout: float = 180.0) -> d
     return {**info, "steps": steps, "config": config, "process_s": time.perf_counter() - t0}
 
 
+def text_corpus(context: int) -> tuple[np.ndarray, str]:
+    """The main job's default corpus (the Python standard library's source) as bytes, and how
+    to name it. Real text, not uniform random bytes: some costs depend on the token values
+    (an embedding gradient that scatters into repeated rows took 20 ms a micro-batch on an
+    H200 with text, 0.4 ms with random bytes)."""
+    try:
+        corpus = load_corpus(None, context)
+    except CorpusError as e:  # no readable standard library: random bytes, and say so
+        print(f"no text corpus ({e}); uniform random bytes instead", flush=True)
+        return np.random.default_rng(0).integers(0, 256, 1 << 20).astype(np.uint8), "random bytes"
+    return corpus.train, "text (the Python standard library)"
+
+
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -440,10 +462,10 @@ def main(argv: list[str] | None = None) -> str:
     model = GPT(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    rng = np.random.default_rng(0)
+    text, data = text_corpus(cfg.context)
 
     def tokens(rows: int) -> dict[str, Any]:
-        return {"tokens": rng.integers(0, 256, (rows, cfg.context + 1)).astype(np.int32)}
+        return {"tokens": batch_rows(text, 0, 1, rows, cfg.context, slice(0, rows))}
 
     bpd = args.batch_per_device
     dev = jax.devices()[0]
@@ -461,7 +483,7 @@ def main(argv: list[str] | None = None) -> str:
         f"{n} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}; GPT "
         f"{n_params / 1e6:.1f}M params ({cfg.layers} x {cfg.width}, {cfg.heads} heads, context "
         f"{cfg.context}, {'nn.scan' if cfg.scan else 'unrolled'}, {attention} attention), "
-        f"{bpd} sequences per device per step, bf16 working params, "
+        f"{bpd} sequences per device per step of {data}, bf16 working params, "
         f"fp32 master, AdamW; MFU against {_f(peak, '.0f')} TFLOP/s per device. XLA flags: "
         f"{' '.join(kept) if kept else 'none'}"
         + (f"; refused by this jaxlib, left out: {' '.join(dropped)}" if dropped else "")
