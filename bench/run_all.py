@@ -284,6 +284,12 @@ def compile_section(res: dict[str, Any], seconds: float) -> str:
     return f"{_section(title, 'bench_compile', seconds, res['markdown'])}\n\n{compile_reading(res)}"
 
 
+def traffic_section(res: dict[str, Any], seconds: float) -> str:
+    """Section 11 (traffic and peak against GSPMD peers), table and reading."""
+    title = "11. Traffic and peak against GSPMD peers"
+    return f"{_section(title, 'bench_traffic', seconds, res['markdown'])}\n\n{traffic_reading(res)}"
+
+
 def dispatch_section(res: dict[str, Any], seconds: float) -> str:
     """Section 12 (host time per step), table and reading."""
     title = "12. Host time per step"
@@ -294,6 +300,7 @@ def dispatch_section(res: dict[str, Any], seconds: float) -> str:
 # --only: section number, measurement (quick -> results), section text (results, seconds)
 ALONE: dict[str, tuple[int, Any, Any]] = {
     "compile": (7, lambda quick: bench_compile.main(quick=quick), compile_section),
+    "traffic": (11, lambda quick: bench_traffic.main_result(quick=quick), traffic_section),
     "dispatch": (12, lambda quick: bench_dispatch.main_result(quick=quick), dispatch_section),
 }
 
@@ -327,9 +334,9 @@ def main(argv: list[str] | None = None) -> None:
         "--only",
         choices=sorted(ALONE),
         default=None,
-        help="measure one section (compile: 7, dispatch: 12) and replace it in the existing "
-        "--out file, with a line saying where and when (section 7 alone takes most of the "
-        "whole run)",
+        help="measure one section (compile: 7, traffic: 11, dispatch: 12) and replace it in "
+        "the existing --out file, with a line saying where and when (section 7 alone takes "
+        "most of the whole run)",
     )
     args = p.parse_args(argv)
     quick = args.quick
@@ -370,7 +377,6 @@ def main(argv: list[str] | None = None) -> None:
     traffic, _, t_traffic = _run(lambda: bench_traffic.main_result(quick=quick))
     dispatch, _, t_dispatch = _run(lambda: bench_dispatch.main_result(quick=quick))
     scal_md = scaling["markdown"]
-    traffic_md = traffic["markdown"]
 
     layout_md = "\n".join(
         [
@@ -436,9 +442,7 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {_section("10. ZeRO-3 against GSPMD FSDP", "bench_zero3", t_zero3, zero3["markdown"])}
 
-{_section("11. Traffic and peak against GSPMD peers", "bench_traffic", t_traffic, traffic_md)}
-
-{traffic_reading(traffic)}
+{traffic_section(traffic, t_traffic)}
 
 {dispatch_section(dispatch, t_dispatch)}
 
