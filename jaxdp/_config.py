@@ -160,12 +160,13 @@ class DDPConfig:
             ``[batch, heads, T, T]`` scores are kept. ``"everything"``: every intermediate
             but the gathered params (jaxdp before this field). ``"nothing"``: recompute the
             whole forward pass. Compiled for 8 H100s (``bench/bench_remat.py``, a
-            100.7M-parameter GPT, 12 layers of width 832, context 512, ``G = 1``), per device:
-            ``"gemm"`` 2.48 GiB and 15.5 GiB of non-GEMM memory traffic, ``"everything"``
-            4.92 GiB and 21.3 GiB, ``"nothing"`` 3.27 GiB, ``"dots"`` 2.15 GiB (but 3.83 GiB
-            against ``"gemm"``'s 2.32 at context 1024, same tokens); on one H100 (a 304M GPT,
-            measured before this field with a patched policy of the same rule) saving GEMM
-            outputs only took the step from 1.26x to 1.10x of plain ``jit``.
+            100.7M-parameter GPT, 12 layers of width 832, context 512, XLA's attention,
+            ``G = 1``), per device: ``"gemm"`` 2.88 GiB and 16.3 GiB of non-GEMM memory
+            traffic, ``"everything"`` 6.10 GiB and 27.6 GiB, ``"nothing"`` 3.92 GiB,
+            ``"dots"`` 2.56 GiB (but 4.37 GiB against ``"gemm"``'s 3.94 at context 1024, same
+            tokens). On one H200 at dp = 1 (a 303M GPT, cuDNN attention) ``"gemm"``'s step took
+            1.076x the bare step with the blocks unrolled (0.81x its memory) and 0.948x with
+            them scanned; saving every intermediate had cost 1.26x on an H100.
             Limitation: a policy sees shapes, not provenance, so a GEMM whose operands both
             come from gathered params only (e.g. a low-rank ``A @ B`` weight) is saved by
             every policy but ``"nothing"`` (its operands are still gathered again for their
