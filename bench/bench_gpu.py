@@ -128,6 +128,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxdp  # noqa: E402
+from jaxdp import aot  # noqa: E402
 from jaxdp.models import GPT, GPTConfig, attention_implementation, next_byte_loss  # noqa: E402
 from jaxdp.train._data import CorpusError, batch_rows, load_corpus  # noqa: E402
 from jaxdp.train._mfu import peak_tflops, train_flops_per_token  # noqa: E402
@@ -288,7 +289,7 @@ def engine(
         eng = dp
         if compiled is not None:  # a new engine: nothing of the first trace or compile cached
             eng = new_engine()
-            jax.eval_shape(lambda p, e=eng: e.init(p, example_batch=batch), params)
+            aot.abstract_state(eng, params, batch)  # builds its layout, allocates nothing
         t0 = time.perf_counter()
         c = eng.step.lower(state, b).compile()
         out[key] = time.perf_counter() - t0

@@ -53,8 +53,8 @@ def test_gradient_matches_the_gather_in_fp32(vocab):
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_bf16_gradient_is_summed_in_fp32(vocab):
     """Every row of a bf16 table's gradient is its fp32 (here exact) sum rounded once to bf16:
-    a bf16 running sum would stall (256 + 1 rounds back to 256) long before 4,096 repeats of
-    one token."""
+    a bf16 running sum would stall (256 + 1 rounds back to 256) long before the 4,083
+    repeats of one token here."""
     tokens = np.full((4, 1024), 7)
     tokens[0, :13] = np.arange(13)
     tokens = jnp.asarray(tokens)

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.linen.linear import default_embed_init
 
 from .. import nn as jnn
 
@@ -165,8 +166,7 @@ class _Embed(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
-        table = self.param("embedding", init, (self.vocab, self.width))
+        table = self.param("embedding", default_embed_init, (self.vocab, self.width))
         if self.vocab > ONE_HOT_MAX_VOCAB:
             return jnp.take(table.astype(jnp.float32), tokens, axis=0).astype(table.dtype)
         # fp32 tables: the highest precision keeps GPUs from rounding them to TF32
