@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to run, e.g. 1,3")
     p.add_argument("--accum", default="1,4", help="micro-batch counts G to run, e.g. 4")
+    p.add_argument(
+        "--remat",
+        default="gemm",
+        help="stage 3's DDPConfig.remat_policy values to run, e.g. gemm,dots (one row each)",
+    )
     p.add_argument("--write", default=None, help="replace this BENCHMARKS.md's GPU section")
     p.add_argument("--tiny", action="store_true", help="small model on the CPU (script check)")
     p.add_argument(
@@ -269,13 +274,22 @@ def bare(
 
 
 def engine(
-    model: GPT, params: Any, batch: Any, steps: int, stage: int, g: int, compiles: int = 2
+    model: GPT,
+    params: Any,
+    batch: Any,
+    steps: int,
+    stage: int,
+    g: int,
+    compiles: int = 2,
+    remat: str = "gemm",
 ) -> dict[str, Any]:
     """``DataParallel`` at ``stage`` x ``g``. Compiled like the bare step: ``cold_compile_s``
     is this variant's first compile in the process (which pays the GPU autotuning of any GEMM
     fusion no earlier program had), ``compile_s`` a second one, by a fresh engine, which is
-    what is held to the bare step's second compile."""
+    what is held to the bare step's second compile. ``remat`` is stage 3's ``remat_policy``."""
     cfg = jaxdp.DDPConfig(zero_stage=stage, num_microbatches=g, param_dtype="bfloat16")
+    if stage == 3:
+        cfg = dataclasses.replace(cfg, remat_policy=remat)  # type: ignore[arg-type]
 
     def new_engine() -> Any:
         return jaxdp.DataParallel(lambda p, b: next_byte_loss(model, p, b), optax.adamw(1e-4), cfg)
@@ -511,17 +525,28 @@ def main(argv: list[str] | None = None) -> str:
     print(head, flush=True)
     stages = [int(s) for s in args.stages.split(",")]
     accum = [int(a) for a in args.accum.split(",")]
+    remats = args.remat.split(",")
+
+    def variants(g: int) -> list[tuple[str, Any]]:
+        """Each stage at ``g``; stage 3 once per ``--remat`` policy."""
+        return [("engine", (s, g, r)) for s in stages for r in (remats if s == 3 else ["gemm"])]
+
     fusion_rows = [] if args.no_fusion else [int(r) for r in args.fusion_rows.split(",")]
     fusion_rows = fusion_rows[:1] if args.tiny else fusion_rows  # --tiny has one shape
     # The first G (bare, then each stage), the fusion MLP, then the other G: a run cut short
     # keeps the main comparison.
     plan: list[tuple[str, Any]] = [("bare", accum[0])]
-    plan += [("engine", (s, accum[0])) for s in stages]
+    plan += variants(accum[0])
     plan += [("fusion", r) for r in fusion_rows]
     for g in accum[1:]:
-        plan += [("bare", g)] + [("engine", (s, g)) for s in stages]
+        plan += [("bare", g), *variants(g)]
     # The scanned blocks' loop against the same step with them unrolled.
     plan += [] if args.unrolled else [("unrolled", accum[0])]
+
+    def remat_note(what: tuple[int, int, str]) -> str:
+        """Names stage 3's policy when the run measures more than the default."""
+        return f", remat {what[2]!r}" if what[0] == 3 and remats != ["gemm"] else ""
+
     rows: list[Row] = []
     fuse: list[dict[str, Any]] | None = None
     skipped: list[str] = []
@@ -542,7 +567,9 @@ def main(argv: list[str] | None = None) -> str:
         label = {
             "bare": f"bare, G = {what}",
             "fusion": f"fusion MLP, {what} rows",
-            "engine": f"stage {what[0]}, G = {what[1]}" if kind == "engine" else "",
+            "engine": (
+                f"stage {what[0]}, G = {what[1]}{remat_note(what)}" if kind == "engine" else ""
+            ),
             "unrolled": f"bare, G = {what}, blocks unrolled",
         }[kind]
         elapsed = time.perf_counter() - t_start
@@ -556,11 +583,19 @@ def main(argv: list[str] | None = None) -> str:
                 rows.append((f"bare jit, 1 device, G = {what}", r, 1, what))
                 record(rows[-1][0], r)
             elif kind == "engine":
-                stage, g = what
+                stage, g, remat = what
                 r = engine(
-                    model, params, tokens(bpd * n), args.steps, stage, g, 1 if args.tiny else 2
+                    model,
+                    params,
+                    tokens(bpd * n),
+                    args.steps,
+                    stage,
+                    g,
+                    1 if args.tiny else 2,
+                    remat,
                 )
-                rows.append((f"jaxdp stage {stage}, G = {g}, {n} devices", r, n, g))
+                name = f"jaxdp stage {stage}, G = {g}, {n} devices{remat_note(what)}"
+                rows.append((name, r, n, g))
                 record(rows[-1][0], r)
             elif kind == "unrolled":
                 flat = GPT(dataclasses.replace(cfg, scan=False))
