@@ -149,24 +149,25 @@ class DDPConfig:
             around each micro-batch's loss (and around each scan body of a gathered layer
             stack) saves for the backward pass. No policy saves a gathered parameter or a
             slice, reshape, cast or transpose of one, so the backward pass gathers the params
-            again. ``"gemm"`` (default): only the outputs of ``dot_general`` without batch
-            dimensions (the GEMMs of dense layers and attention projections); norms,
-            activations, softmax, batched attention dots and cuDNN attention are recomputed,
-            so XLA fuses them into their consumers instead of writing them out.
-            ``"dots"``: every ``dot_general`` (batched too: attention scores and context),
-            convolution and cuDNN fused-attention output
-            (``jax.nn.dot_product_attention(implementation="cudnn")``, with its softmax
-            statistics): attention is not recomputed, but with XLA's attention every layer's
-            ``[batch, heads, T, T]`` scores are kept. ``"everything"``: every intermediate
-            but the gathered params (jaxdp before this field). ``"nothing"``: recompute the
-            whole forward pass. Compiled for 8 H100s (``bench/bench_remat.py``, a
-            100.7M-parameter GPT, 12 layers of width 832, context 512, XLA's attention,
-            ``G = 1``), per device: ``"gemm"`` 2.88 GiB and 16.3 GiB of non-GEMM memory
-            traffic, ``"everything"`` 6.10 GiB and 27.6 GiB, ``"nothing"`` 3.92 GiB,
-            ``"dots"`` 2.56 GiB (but 4.37 GiB against ``"gemm"``'s 3.94 at context 1024, same
-            tokens). On one H200 at dp = 1 (a 303M GPT, cuDNN attention) ``"gemm"``'s step took
-            1.076x the bare step with the blocks unrolled (0.81x its memory) and 0.948x with
-            them scanned; saving every intermediate had cost 1.26x on an H100.
+            again. ``"gemm"`` (default): the outputs of ``dot_general`` without batch
+            dimensions (the GEMMs of dense layers and attention projections) and of cuDNN
+            fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``: its
+            output and softmax statistics, no ``T x T`` scores); norms, activations, softmax
+            and XLA's batched attention dots are recomputed, so XLA fuses them into their
+            consumers instead of writing them out. ``"dots"``: also every batched
+            ``dot_general`` (XLA's attention scores and context) and convolution: with XLA's
+            attention every layer's ``[batch, heads, T, T]`` scores are kept.
+            ``"everything"``: every intermediate but the gathered params (jaxdp before this
+            field). ``"nothing"``: recompute the whole forward pass. Compiled for 8 H100s
+            (``bench/bench_remat.py``, a 100.7M-parameter GPT, 12 layers of width 832,
+            context 512, XLA's attention, ``G = 1``), per device: ``"gemm"`` 2.88 GiB and
+            16.3 GiB of non-GEMM memory traffic, ``"everything"`` 6.10 GiB and 27.6 GiB,
+            ``"nothing"`` 3.92 GiB, ``"dots"`` 2.56 GiB (but 4.37 GiB against ``"gemm"``'s
+            3.94 at context 1024, same tokens). On one H100 at dp = 1 (a 303M GPT, cuDNN
+            attention, blocks unrolled, ``G = 1``) the step took 1.040x the bare step with
+            the attention output saved, 1.070x with it recomputed (``"gemm"`` before it kept
+            fused attention), at 0.81x the bare step's memory; saving every intermediate had
+            cost 1.26x.
             Limitation: a policy sees shapes, not provenance, so a GEMM whose operands both
             come from gathered params only (e.g. a low-rank ``A @ B`` weight) is saved by
             every policy but ``"nothing"`` (its operands are still gathered again for their

@@ -266,7 +266,8 @@ def check_fields(cfg: Any) -> None:
         cfg.remat_policy,
         REMAT_POLICIES,
         "what stage 3's jax.checkpoint saves",
-        "use 'gemm' (GEMM outputs only, the default), 'dots', 'everything' or 'nothing'",
+        "use 'gemm' (GEMM and fused-attention outputs, the default), 'dots', 'everything' or "
+        "'nothing'",
     )
     _check_choice(
         "model_state_sync",

@@ -70,16 +70,6 @@ def not_gathered_policy(prim: Any, *_: Any, **params: Any) -> bool:
     return prim.name not in _LAYOUT_PRIMITIVES
 
 
-def gemm_policy(prim: Any, *args: Any, **params: Any) -> bool:
-    """``remat_policy="gemm"``: save only the outputs of ``dot_general`` without batch
-    dimensions (jax's ``dots_with_no_batch_dims_saveable``) and the layer inputs of gathered
-    scans (:data:`SCAN_CARRY`). Gathered params and their layout derivatives are never dots,
-    so they are recomputed (gathered again)."""
-    if prim.name == "name":
-        return bool(params.get("name") == SCAN_CARRY)
-    return bool(jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
-
-
 # cuDNN fused attention (jax.nn.dot_product_attention(implementation="cudnn")) as a policy sees
 # it: its custom_vjp's forward rule binds these (outputs: the attention output and the softmax
 # statistics the backward kernel reads). The XLA implementation is plain dot_generals.
@@ -93,15 +83,31 @@ _FUSED_ATTENTION = frozenset(
 )
 
 
+def gemm_policy(prim: Any, *args: Any, **params: Any) -> bool:
+    """``remat_policy="gemm"``: save the outputs of ``dot_general`` without batch dimensions
+    (jax's ``dots_with_no_batch_dims_saveable``: dense layers and projections), of cuDNN fused
+    attention (its output and softmax statistics: no ``T x T`` scores) and the layer inputs
+    of gathered scans (:data:`SCAN_CARRY`). Norms, activations and XLA's batched attention
+    dots are recomputed. Gathered params and their layout derivatives are never among these,
+    so they are recomputed (gathered again)."""
+    return _saves(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prim, args, params)
+
+
 def dots_policy(prim: Any, *args: Any, **params: Any) -> bool:
-    """``remat_policy="dots"``: save every ``dot_general`` (batched too), convolution and
-    cuDNN fused-attention output (jax's ``dots_saveable`` plus fused attention), and the layer
-    inputs of gathered scans (:data:`SCAN_CARRY`)."""
+    """``remat_policy="dots"``: what ``"gemm"`` saves, plus batched ``dot_general`` outputs
+    (XLA's attention scores and context) and convolutions (jax's ``dots_saveable`` plus fused
+    attention, and the layer inputs of gathered scans, :data:`SCAN_CARRY`)."""
+    return _saves(jax.checkpoint_policies.dots_saveable, prim, args, params)
+
+
+def _saves(dots: Callable[..., bool], prim: Any, args: Any, params: Any) -> bool:
+    """``"gemm"`` and ``"dots"``: the scan carries, cuDNN fused attention, and what ``dots``
+    (a jax policy for ``dot_general``) saves."""
     if prim.name == "name":
         return bool(params.get("name") == SCAN_CARRY)
     if prim.name in _FUSED_ATTENTION:
         return True
-    return bool(jax.checkpoint_policies.dots_saveable(prim, *args, **params))
+    return bool(dots(prim, *args, **params))
 
 
 _POLICIES: dict[str, Callable[..., bool]] = {
