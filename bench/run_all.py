@@ -189,8 +189,8 @@ def step_analysis(res: dict[str, Any]) -> str:
   set from `bucket_size` for buckets to survive.
 * *Micro-batches.* G=4 runs four matmuls of 8 rows per device instead of one of 32, which the
   CPU does less efficiently ({g4_0 / default:.2f}x the G=1 step at stage 0). ZeRO-2 with G=4
-  reduce-scatters every micro-batch (2 static reduce-scatters: one in the scan body, one after
-  the peeled last micro-batch), and runs at {g4_2 / g4_0:.2f}x stage 0 with G=4 here: CPU
+  reduce-scatters every micro-batch (inside the scan body, which runs all four: none is
+  peeled out), and runs at {g4_2 / g4_0:.2f}x stage 0 with G=4 here: CPU
   collectives are memory copies between threads, so G reduce-scatters cost little.
 * Absolute times and the overlap of communication with the backward pass are meaningless on
   simulated CPU devices (collectives are synchronous rendezvous); the GPU comparison is still
@@ -278,6 +278,30 @@ def _section(title: str, module: str, seconds: float, body: str) -> str:
     return f"## {title}: `bench/{module}.py` ({seconds:.0f} s)\n\n{body}"
 
 
+def step_section(res: dict[str, Any], seconds: float) -> str:
+    """Section 2 (step time), table and reading."""
+    body = _section("2. Step time", "bench_step", seconds, res["markdown"])
+    return f"{body}\n\n{step_analysis(res)}"
+
+
+def memory_section(res: dict[str, Any], seconds: float) -> str:
+    """Section 3 (memory per device on XLA:CPU), table and reading."""
+    title = "3. Memory per device"
+    return f"{_section(title, 'bench_memory', seconds, res['markdown'])}\n\n{memory_analysis(res)}"
+
+
+def memory_gpu_section(res: dict[str, Any], seconds: float) -> str:
+    """Section 4 (memory per device on compile-only H100s), table and reading."""
+    title = "4. Memory per device on 8 x H100, compile-only"
+    body = _section(title, "bench_memory_gpu", seconds, res["markdown"])
+    return f"{body}\n\n{memory_gpu_reading(res)}"
+
+
+def zero3_section(res: dict[str, Any], seconds: float) -> str:
+    """Section 10 (stage 3 against GSPMD FSDP), table."""
+    return _section("10. ZeRO-3 against GSPMD FSDP", "bench_zero3", seconds, res["markdown"])
+
+
 def compile_section(res: dict[str, Any], seconds: float) -> str:
     """Section 7 (compile time), table and reading."""
     title = "7. Compile time vs parameter leaves"
@@ -299,6 +323,14 @@ def dispatch_section(res: dict[str, Any], seconds: float) -> str:
 
 # --only: section number, measurement (quick -> results), section text (results, seconds)
 ALONE: dict[str, tuple[int, Any, Any]] = {
+    "step": (
+        2,
+        lambda quick: bench_step.main(rounds=2, inner=1, warmup=1) if quick else bench_step.main(),
+        step_section,
+    ),
+    "memory": (3, lambda quick: bench_memory.main(quick=quick), memory_section),
+    "memory_gpu": (4, lambda quick: bench_memory_gpu.main(quick=quick), memory_gpu_section),
+    "zero3": (10, lambda quick: bench_zero3.main(quick=quick), zero3_section),
     "compile": (7, lambda quick: bench_compile.main(quick=quick), compile_section),
     "traffic": (11, lambda quick: bench_traffic.main_result(quick=quick), traffic_section),
     "dispatch": (12, lambda quick: bench_dispatch.main_result(quick=quick), dispatch_section),
@@ -334,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
         "--only",
         choices=sorted(ALONE),
         default=None,
-        help="measure one section (compile: 7, traffic: 11, dispatch: 12) and replace it in "
+        help="measure one section (step: 2, memory: 3, memory_gpu: 4, compile: 7, zero3: 10, "
+        "traffic: 11, dispatch: 12) and replace it in "
         "the existing --out file, with a line saying where and when (section 7 alone takes "
         "most of the whole run)",
     )
@@ -406,23 +439,11 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 {layout_log.strip()}
 ```
 
-## 2. Step time: `bench/bench_step.py` ({t_step:.0f} s)
+{step_section(step, t_step)}
 
-{step["markdown"]}
+{memory_section(memory, t_memory)}
 
-{step_analysis(step)}
-
-## 3. Memory per device: `bench/bench_memory.py` ({t_memory:.0f} s)
-
-{memory["markdown"]}
-
-{memory_analysis(memory)}
-
-## 4. Memory per device on 8 x H100, compile-only: `bench/bench_memory_gpu.py` ({t_gpu:.0f} s)
-
-{gpu_memory["markdown"]}
-
-{memory_gpu_reading(gpu_memory)}
+{memory_gpu_section(gpu_memory, t_gpu)}
 
 {_section("5. Communication per step", "bench_comm", t_comm, comm["markdown"])}
 
@@ -440,7 +461,7 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {_section("9. Gradient-accumulation fusion", "bench_fusion", t_fusion, fusion["markdown"])}
 
-{_section("10. ZeRO-3 against GSPMD FSDP", "bench_zero3", t_zero3, zero3["markdown"])}
+{zero3_section(zero3, t_zero3)}
 
 {traffic_section(traffic, t_traffic)}
 
