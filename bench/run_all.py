@@ -115,7 +115,9 @@ def _source() -> str:
     head = _git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = _git("status", "--porcelain", "--", "jaxdp")
     return f"`{head}`" + (
-        f", with uncommitted changes in jaxdp/: {', '.join(ln[3:] for ln in dirty.splitlines())}"
+        # each line is "XY path"; _git strips the output, and with it the first line's X
+        f", with uncommitted changes in jaxdp/: "
+        f"{', '.join(ln.split(maxsplit=1)[-1] for ln in dirty.splitlines())}"
         if dirty
         else ", jaxdp/ clean"
     )
@@ -189,8 +191,8 @@ def step_analysis(res: dict[str, Any]) -> str:
   set from `bucket_size` for buckets to survive.
 * *Micro-batches.* G=4 runs four matmuls of 8 rows per device instead of one of 32, which the
   CPU does less efficiently ({g4_0 / default:.2f}x the G=1 step at stage 0). ZeRO-2 with G=4
-  reduce-scatters every micro-batch (inside the scan body, which runs all four: none is
-  peeled out), and runs at {g4_2 / g4_0:.2f}x stage 0 with G=4 here: CPU
+  reduce-scatters every micro-batch (2 static reduce-scatters: one in the scan body, one after
+  the peeled last micro-batch), and runs at {g4_2 / g4_0:.2f}x stage 0 with G=4 here: CPU
   collectives are memory copies between threads, so G reduce-scatters cost little.
 * Absolute times and the overlap of communication with the backward pass are meaningless on
   simulated CPU devices (collectives are synchronous rendezvous); the GPU comparison is still
