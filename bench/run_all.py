@@ -32,6 +32,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
@@ -280,47 +281,31 @@ def _section(title: str, module: str, seconds: float, body: str) -> str:
     return f"## {title}: `bench/{module}.py` ({seconds:.0f} s)\n\n{body}"
 
 
-def step_section(res: dict[str, Any], seconds: float) -> str:
-    """Section 2 (step time), table and reading."""
-    body = _section("2. Step time", "bench_step", seconds, res["markdown"])
-    return f"{body}\n\n{step_analysis(res)}"
+def _section_with(
+    title: str, module: str, reading: Callable[[dict[str, Any]], str] | None = None
+) -> Callable[[dict[str, Any], float], str]:
+    """A section's text from its results and seconds: heading, table and (if any) reading."""
+
+    def section(res: dict[str, Any], seconds: float) -> str:
+        body = _section(title, module, seconds, res["markdown"])
+        return body if reading is None else f"{body}\n\n{reading(res)}"
+
+    return section
 
 
-def memory_section(res: dict[str, Any], seconds: float) -> str:
-    """Section 3 (memory per device on XLA:CPU), table and reading."""
-    title = "3. Memory per device"
-    return f"{_section(title, 'bench_memory', seconds, res['markdown'])}\n\n{memory_analysis(res)}"
-
-
-def memory_gpu_section(res: dict[str, Any], seconds: float) -> str:
-    """Section 4 (memory per device on compile-only H100s), table and reading."""
-    title = "4. Memory per device on 8 x H100, compile-only"
-    body = _section(title, "bench_memory_gpu", seconds, res["markdown"])
-    return f"{body}\n\n{memory_gpu_reading(res)}"
-
-
-def zero3_section(res: dict[str, Any], seconds: float) -> str:
-    """Section 10 (stage 3 against GSPMD FSDP), table."""
-    return _section("10. ZeRO-3 against GSPMD FSDP", "bench_zero3", seconds, res["markdown"])
-
-
-def compile_section(res: dict[str, Any], seconds: float) -> str:
-    """Section 7 (compile time), table and reading."""
-    title = "7. Compile time vs parameter leaves"
-    return f"{_section(title, 'bench_compile', seconds, res['markdown'])}\n\n{compile_reading(res)}"
-
-
-def traffic_section(res: dict[str, Any], seconds: float) -> str:
-    """Section 11 (traffic and peak against GSPMD peers), table and reading."""
-    title = "11. Traffic and peak against GSPMD peers"
-    return f"{_section(title, 'bench_traffic', seconds, res['markdown'])}\n\n{traffic_reading(res)}"
-
-
-def dispatch_section(res: dict[str, Any], seconds: float) -> str:
-    """Section 12 (host time per step), table and reading."""
-    title = "12. Host time per step"
-    body = _section(title, "bench_dispatch", seconds, res["markdown"])
-    return f"{body}\n\n{dispatch_reading(res)}"
+step_section = _section_with("2. Step time", "bench_step", step_analysis)
+memory_section = _section_with("3. Memory per device", "bench_memory", memory_analysis)
+memory_gpu_section = _section_with(
+    "4. Memory per device on 8 x H100, compile-only", "bench_memory_gpu", memory_gpu_reading
+)
+compile_section = _section_with(
+    "7. Compile time vs parameter leaves", "bench_compile", compile_reading
+)
+zero3_section = _section_with("10. ZeRO-3 against GSPMD FSDP", "bench_zero3")
+traffic_section = _section_with(
+    "11. Traffic and peak against GSPMD peers", "bench_traffic", traffic_reading
+)
+dispatch_section = _section_with("12. Host time per step", "bench_dispatch", dispatch_reading)
 
 
 # --only: section number, measurement (quick -> results), section text (results, seconds)
