@@ -192,9 +192,10 @@ def step_analysis(res: dict[str, Any]) -> str:
   set from `bucket_size` for buckets to survive.
 * *Micro-batches.* G=4 runs four matmuls of 8 rows per device instead of one of 32, which the
   CPU does less efficiently ({g4_0 / default:.2f}x the G=1 step at stage 0). ZeRO-2 with G=4
-  reduce-scatters every micro-batch (2 static reduce-scatters: one in the scan body, one after
-  the peeled last micro-batch), and runs at {g4_2 / g4_0:.2f}x stage 0 with G=4 here: CPU
-  collectives are memory copies between threads, so G reduce-scatters cost little.
+  reduce-scatters every micro-batch (each in the scan body: stage 2 peels no last micro-batch
+  out of the loop, having no end-of-step reduction to overlap it with), and runs at
+  {g4_2 / g4_0:.2f}x stage 0 with G=4 here: CPU collectives are memory copies between
+  threads, so G reduce-scatters cost little.
 * Absolute times and the overlap of communication with the backward pass are meaningless on
   simulated CPU devices (collectives are synchronous rendezvous); the GPU comparison is still
   to be made."""

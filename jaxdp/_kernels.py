@@ -68,7 +68,15 @@ class Kernel:
 
     Attributes:
         layout: the bucket layout.
+        peel_last: run the last of ``G > 1`` micro-batches outside the ``lax.scan`` (see
+            :func:`jaxdp._local.local_gradients`): right where the gradients are reduced
+            after the loop, so that the last backward overlaps those collectives. Kernels
+            that reduce inside every micro-batch's backward set it ``False`` (stage 2, and
+            stage 3 where the plan says so: :class:`GatherInGrad`): a peeled copy of the
+            model has nothing to overlap and doubles the program XLA compiles.
     """
+
+    peel_last = True
 
     def out(self, red: Any) -> Any:
         """The reduced buckets as the gradients the optimizer takes (params-shaped)."""
@@ -178,7 +186,8 @@ class ReduceAtEnd(Kernel):
         # The last micro-batch does not depend on the scan, and XLA's scheduler hoists its
         # forward pass (and the start of its backward) above the loop, keeping its activations
         # and a packed gradient bucket alive through it: start it after the loop instead
-        # (compiled for H100s: stage 2, G = 4 peak 2.76 -> 2.23 B/param).
+        # (compiled for H100s, when stage 2 still peeled its last micro-batch: G = 4 peak
+        # 2.76 -> 2.23 B/param).
         return after(last, loss) if self.g > 1 else last
 
 
@@ -218,6 +227,8 @@ class ScatterAtEndPerParam(_Sharded, _PerParamAccumulator):
 class ReduceEachMicrobatch(ScatterAtEnd):
     """Stage 2: reduce-scatter every micro-batch into a sharded fp32 accumulator."""
 
+    peel_last = False
+
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         self.divisors: list[tuple[int, ...]] = []
@@ -241,12 +252,25 @@ class GatherInGrad(_Sharded, Kernel):
 
     ``value_and_grad`` is :func:`jaxdp._gather.zero3_value_and_grad` or, for a layout with
     scanned layer stacks, :func:`jaxdp._zero3_scan.zero3_scan_value_and_grad`; ``pre`` turns
-    the shard view into what it takes (the plan picks both)."""
+    the shard view into what it takes (the plan picks both).
+
+    ``peel_last`` (the plan: on GPUs only): with the last micro-batch in the scan too, XLA's
+    GPU scheduler finishes the loop body's backward gathers back to back instead of one ahead
+    of each layer's backward (compiled for 8 H100s, ``bench/bench_memory_gpu.py``'s MLP at
+    G = 4: 1.92 -> 2.50 B/param of temporaries), so on GPUs stage 3 keeps the peeled copy and
+    its compile time. XLA:CPU has no such scheduler, and there the step is stage 2's program
+    shape, so stage 3 stays bit-identical to stage 2 (norms included)."""
 
     def __init__(
-        self, *args: Any, value_and_grad: Callable[..., Any], pre: Callable[..., Any], **kw: Any
+        self,
+        *args: Any,
+        value_and_grad: Callable[..., Any],
+        pre: Callable[..., Any],
+        peel_last: bool = True,
+        **kw: Any,
     ):
         super().__init__(*args, **kw)
+        self.peel_last = peel_last
         layout, axis = self.layout, self.ops.axis
         self.vg, self.z3_divisors, self.loss = value_and_grad(
             self.parts, layout, self.config, num_microbatches=self.g, place=self.ops.place

@@ -7,9 +7,10 @@ gather the params inside the differentiated function) and the bucket operations 
 (:mod:`jaxdp._nested`):
 
 1. the kernel prepares the params once (a varying copy, an up-front gather, the shards);
-2. micro-batches ``1..G-1`` run in a ``lax.scan``, each adding its gradient to the kernel's
-   accumulator; the last micro-batch is peeled out of the scan so that its backward pass and
-   the bucket collectives form one straight-line region XLA can overlap;
+2. the micro-batches run in a ``lax.scan``, each adding its gradient to the kernel's
+   accumulator; where the kernel reduces at the end (stages 0-1, ``Kernel.peel_last``) the
+   last micro-batch is peeled out of the scan so that its backward pass and the bucket
+   collectives form one straight-line region XLA can overlap;
 3. the kernel finishes the reduction (one collective per bucket, or the deferred division);
 4. the metrics: mean loss (or per-token loss), aux outputs, the global fp32 gradient norm and,
    with ``check_for_nan_in_grad``, the number of ranks that saw a non-finite gradient per
@@ -109,13 +110,20 @@ def local_gradients(
         lambda v: jax.lax.pcast(v, axis, to="varying"),
         (kernel.acc0() if g > 1 else None, zero, zero, ok0, aux0, model_state),
     )
+    # Where the kernel reduces at the end, the last micro-batch is peeled out of the scan: its
+    # backward and the bucket collectives below are one straight-line region that XLA can
+    # overlap. Kernels that reduce inside every micro-batch's backward (stage 2; stage 3 on
+    # XLA:CPU, see GatherInGrad) have nothing to overlap there, and a peeled copy of the model
+    # would double what XLA compiles.
+    peel = g == 1 or kernel.peel_last
     if g > 1:
-        head = jax.tree.map(lambda x: x[:-1], mbs)
-        carry, _ = jax.lax.scan(micro, carry, (head, jnp.arange(g - 1)))
-    # The last micro-batch is peeled out of the scan: its backward and the bucket
-    # collectives below are one straight-line region that XLA can overlap.
-    last = kernel.order_last(jax.tree.map(lambda x: x[-1], mbs), carry[1])
-    (acc, loss, ntok, ok, aux_sum, state), _ = micro(carry, (last, g - 1))
+        n = g - 1 if peel else g
+        head = jax.tree.map(lambda x: x[:n], mbs)
+        carry, _ = jax.lax.scan(micro, carry, (head, jnp.arange(n)))
+    if peel:
+        last = kernel.order_last(jax.tree.map(lambda x: x[-1], mbs), carry[1])
+        carry, _ = micro(carry, (last, g - 1))
+    acc, loss, ntok, ok, aux_sum, state = carry
     if g == 1 and aux_sum is not None:
         warn_per_example_aux(aux_sum, mb0)
 

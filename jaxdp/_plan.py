@@ -236,7 +236,9 @@ def _strategy(
     # stage 3: scanned layer stacks are gathered one layer per scan iteration
     vg = zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad
     pre: Callable[..., Any] = layout.shard_unview if layout.stacked else (lambda v: v)
-    kernel = functools.partial(GatherInGrad, value_and_grad=vg, pre=pre)
+    kernel = functools.partial(
+        GatherInGrad, value_and_grad=vg, pre=pre, peel_last=group.platform != "cpu"
+    )
     return ShardedParams(
         kernel=kernel,
         master_codec=view,

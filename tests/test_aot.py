@@ -84,9 +84,15 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
     # the straight-line region (the last micro-batch), none combined: every collective of the
     # gradient kind is exactly one bucket. Per parameter (stages 1-2 otherwise): XLA's
     # combiner groups the parameters' collectives into groups of at most one bucket.
+    # Stage 2 with G > 1 reduce-scatters inside every micro-batch's backward: all of them run
+    # in the scan (none peeled out, Kernel.peel_last), so its collectives are the loop body's.
     per_param = dp.plan.strategy.reduces_per_parameter
     assert per_param == (stage > 0 and mode != "megatron")
-    grads = gradient_collectives(report, dp)
+    looped = stage == 2 and g > 1
+    entry_grads = gradient_collectives(report, dp)
+    in_loop = [c for c in gradient_collectives(report, dp, entry_only=False) if not c.entry]
+    grads = in_loop if looped else entry_grads
+    assert not (in_loop if not looped else entry_grads), report
     assert len(grads) >= n if per_param else len(grads) == n, report
     assert all(c.kind == kind and c.is_async and c.dtype == wire for c in grads), report
     big = [c for c in report.of_kind(kind) if c.elements > max(b.numel for b in dp.layout.buckets)]
@@ -97,19 +103,9 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
     for c in grads[:-1]:
         assert c.backward_between >= 1 and c.gemms_between >= 1, report
 
-    in_loop = [c for c in gradient_collectives(report, dp, entry_only=False) if not c.entry]
-    if stage == 2 and g > 1:
-        # by design: a reduce-scatter per micro-batch, once in the scan body and once for the
-        # peeled last micro-batch; the scan body's collectives overlap its backward too
-        assert (len(in_loop) >= n if per_param else len(in_loop) == n) and all(
-            not c.entry for c in in_loop
-        )
-        for c in in_loop[:-1]:
-            assert c.backward_between >= 1, report
-    else:
-        assert not in_loop, report
     if g > 1:
-        # micro-batches 1..G-1 stay in a loop; the overlapped backward in ENTRY is the last one's
+        # the micro-batches stay in a loop (at stages 0-1 all but the last, whose overlapped
+        # backward is in ENTRY)
         entry = text[text.index("\nENTRY") :]
         assert re.search(r" while\(", entry), "the micro-batch scan was unrolled"
 

@@ -72,19 +72,18 @@ def test_one_collective_per_bucket(stage, g, depth):
     else:
         # Stages 1-2 reduce-scatter and gather each parameter on its own (XLA's combiners
         # group them into buckets on GPUs: jaxdp._per_param): a count fixed by the leaves,
-        # not the depth. Stage 2 with G > 1 reduce-scatters every micro-batch: once in the
-        # scan body and once for the peeled last micro-batch (2x in the program text).
+        # not the depth. Stage 2 with G > 1 reduce-scatters every micro-batch, all of them in
+        # the scan body (none peeled out: Kernel.peel_last), so once in the program text.
         assert dp.plan.strategy.gathers_per_parameter
         n = len(dp.layout.slots)
-        rs = 2 * n if (stage == 2 and g > 1) else n
         assert counts == dict.fromkeys(OPS, 0) | {
-            "reduce_scatter": rs,
+            "reduce_scatter": n,
             "all_gather": n,
             "all_reduce": 2,  # loss mean and the squared-norm sum
         }
         # XLA's SPMD partitioner adds nothing for the sharded optimizer update.
         compiled = compiled_counts(dp, state, batch)
-        assert compiled["reduce_scatter"] == rs and compiled["all_gather"] == n
+        assert compiled["reduce_scatter"] == n and compiled["all_gather"] == n
 
 
 def test_megatron_fp32_accumulation_uses_all_to_all():
@@ -176,10 +175,11 @@ def test_deterministic_reduction_has_no_order_dependent_collective(stage):
     state = dp.init(params)
     n = len(dp.layout.buckets)
     counts = lowered_counts(dp, state, make_batch(64))
-    a2a = 2 * n if stage == 2 else n  # stage 2: scan body + peeled micro-batch
+    # all_to_all: one per bucket, stage 2's too (every micro-batch in the scan body, none
+    # peeled out)
     metrics = 1 if stage == 0 else 2  # loss (+ the squared-norm sum of the shards)
     gathers = n + metrics  # stage 0: rebuild each bucket; stages >= 1: the params
-    assert counts == dict.fromkeys(OPS, 0) | {"all_to_all": a2a, "all_gather": gathers}
+    assert counts == dict.fromkeys(OPS, 0) | {"all_to_all": n, "all_gather": gathers}
 
 
 def test_deterministic_reduction_matches_the_default_numerically():

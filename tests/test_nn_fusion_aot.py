@@ -108,8 +108,9 @@ def consumers(text, name):
 def test_fused_wgrad_gemm_writes_f32_into_accumulator(mesh, stage):
     text = compiled_text(mesh, stage, fuse=True)
     gemms = wgrad_gemms(text)
-    # two layers, in the scanned micro-batches and in the peeled last one
-    assert len(gemms) == 4, [g[3][:120] for g in gemms]
+    # two layers, in the scanned micro-batches and (stages 0-1, which reduce after the loop)
+    # in the peeled last one
+    assert len(gemms) == (4 if stage < 2 else 2), [g[3][:120] for g in gemms]
     # Stages 0-1 accumulate per parameter (jaxdp._kernels.ReduceAtEndPerParam /
     # ScatterAtEndPerParam): in the scanned micro-batches the accumulation is the GEMM
     # fusion's own epilogue (acc + dot, the f32 accumulator an input of the fusion); the last
