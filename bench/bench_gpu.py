@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
 
@@ -298,6 +299,7 @@ def engine(
     state = dp.init(params, example_batch=batch)
     b = dp.shard_batch(batch)
     out: dict[str, Any] = {}
+    options = config_options(cfg)
     compiled = None
     for key in ("cold_compile_s", "compile_s")[-compiles:]:
         eng = dp
@@ -305,10 +307,27 @@ def engine(
             eng = new_engine()
             aot.abstract_state(eng, params, batch)  # builds its layout, allocates nothing
         t0 = time.perf_counter()
-        c = eng.step.lower(state, b).compile()
+        c = eng.step.lower(state, b).compile(compiler_options=options or None)
         out[key] = time.perf_counter() - t0
         compiled = compiled or c
     return {**out, **measure(compiled, compiled, state, b, steps)}
+
+
+def config_options(cfg: Any) -> dict[str, Any]:
+    """What :func:`jaxdp.xla_compiler_options` sets for ``cfg`` beyond the process's XLA flags
+    (a stage-1 config's, set at start-up): per-executable options, so that each variant
+    compiles as a user who applied its own config's flags would (e.g. stage 3 with
+    micro-batches: XLA's analytical cost model). None where no flags were applied (``--tiny``)."""
+    if not FLAGS[0]:
+        return {}
+    n = jax.device_count()
+    base = jaxdp.xla_compiler_options(
+        jaxdp.DDPConfig(zero_stage=1, param_dtype="bfloat16"), dp_size=n
+    )
+    with warnings.catch_warnings():  # a jaxlib newer than the table: warned once at start-up
+        warnings.simplefilter("ignore")
+        mine = jaxdp.xla_compiler_options(cfg, dp_size=n)
+    return {k: v for k, v in mine.items() if k not in base}
 
 
 def fusion(

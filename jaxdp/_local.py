@@ -112,9 +112,8 @@ def local_gradients(
     )
     # Where the kernel reduces at the end, the last micro-batch is peeled out of the scan: its
     # backward and the bucket collectives below are one straight-line region that XLA can
-    # overlap. Kernels that reduce inside every micro-batch's backward (stage 2; stage 3 on
-    # XLA:CPU, see GatherInGrad) have nothing to overlap there, and a peeled copy of the model
-    # would double what XLA compiles.
+    # overlap. Kernels that reduce inside every micro-batch's backward (stages 2-3) have
+    # nothing to overlap there, and a peeled copy of the model would double what XLA compiles.
     peel = g == 1 or kernel.peel_last
     if g > 1:
         n = g - 1 if peel else g

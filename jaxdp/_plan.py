@@ -236,9 +236,7 @@ def _strategy(
     # stage 3: scanned layer stacks are gathered one layer per scan iteration
     vg = zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad
     pre: Callable[..., Any] = layout.shard_unview if layout.stacked else (lambda v: v)
-    kernel = functools.partial(
-        GatherInGrad, value_and_grad=vg, pre=pre, peel_last=group.platform != "cpu"
-    )
+    kernel = functools.partial(GatherInGrad, value_and_grad=vg, pre=pre)
     return ShardedParams(
         kernel=kernel,
         master_codec=view,

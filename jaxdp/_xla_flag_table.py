@@ -100,6 +100,11 @@ FLAG_TABLE: Final[tuple[FlagSpec, ...]] = (
     ),
     FlagSpec("xla_gpu_enable_analytical_sol_latency_estimator", (0, 5, 0)),
     FlagSpec(
+        "xla_gpu_enable_analytical_latency_estimator",
+        (0, 4, 16),
+        note="LHS cost model from XLA's GPU performance model (ZeRO-3 with micro-batches)",
+    ),
+    FlagSpec(
         "xla_gpu_experimental_enable_heuristic_collective_combining",
         (0, 7, 0),
         note="heuristic thresholds that would override the ones jaxdp sets",

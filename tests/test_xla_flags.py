@@ -259,6 +259,16 @@ def test_stage3_pipelines_the_scanned_all_gather(h100):
     assert max(c.gemms_between for c in after) >= 1, after
 
 
+def test_stage3_microbatches_take_the_analytical_cost_model():
+    """Only ZeRO-3 with micro-batches (its loop body re-gathers while it reduce-scatters):
+    tests/test_zero3_aot.py checks the schedule it buys."""
+    name = "xla_gpu_enable_analytical_latency_estimator"
+    for stage, g, on in [(3, 4, True), (3, 2, True), (3, 1, False), (2, 4, False), (1, 4, False)]:
+        cfg = DDPConfig(zero_stage=stage, num_microbatches=g, bucket_size=10**6)
+        assert xla_compiler_options(cfg, dp_size=8).get(name) is (True if on else None)
+        assert (f"--{name}=true" in xla_flags(cfg, dp_size=8)) is on
+
+
 def test_flags_seen_accepted_by_a_newer_jaxlib_draw_no_warning():
     """jaxlib 0.11.2 started a GPU backend with a stage-1 config's six flags (H200, bench_gpu's
     preflight): those draw no warning there; a flag not seen there (stage 3's pipeliner) does,

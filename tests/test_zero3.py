@@ -232,41 +232,6 @@ def test_stage3_bitwise_equals_stage2(mode, layout):
     _check_parity("mlp", mode, d3, s3, n3)  # stage 2: tests/test_strategies.py
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp32-accum"])
-def test_stage3_peeled_last_microbatch_parity(mode):
-    """On GPUs stage 3 runs its last micro-batch outside the scan (``GatherInGrad.peel_last``,
-    for XLA's GPU scheduler); XLA:CPU runs all of them in it. The peeled program, forced here,
-    trains like the reference too, and it reduces the same gradient bit for bit."""
-    loss_fn, make_params, make_batches, small = MODELS["mlp"]
-
-    def engine(peel):
-        cfg = DDPConfig(zero_stage=3, num_microbatches=4, bucket_size=small, **MODES[mode])
-        dp = DataParallel(loss_fn, _opt("mlp", mode), cfg, mesh=jaxdp.make_mesh())
-        batches = make_batches(96)
-        state = dp.init(make_params(), example_batch=batches[0])
-        strategy = dp.plan.strategy
-        assert strategy.make_kernel.keywords["peel_last"] is False  # the plan, on XLA:CPU
-        if peel:
-            strategy.make_kernel = functools.partial(strategy.make_kernel, peel_last=True)
-        return dp, state, batches
-
-    dp, state, batches = engine(peel=True)
-    plain, plain_state, _ = engine(peel=False)
-    jax.tree.map(
-        np.testing.assert_array_equal,
-        reduced_gradient(dp, state, batches[0]),
-        reduced_gradient(plain, plain_state, batches[0]),
-    )
-    # the peeled program holds the model twice: in the scan body and after it
-    gathers = [
-        e.step.lower(s, e.shard_batch(batches[0])).as_text().count("all_gather")
-        for e, s in ((dp, state), (plain, plain_state))
-    ]
-    assert gathers[0] == 2 * gathers[1], gathers
-    state, norms = train_steps(dp, state, batches)
-    _check_parity("mlp", mode, dp, state, norms)
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("g", [1, 4])
 def test_overlap_param_gather_parity(stage, g):
