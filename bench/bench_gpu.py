@@ -314,20 +314,19 @@ def engine(
 
 
 def config_options(cfg: Any) -> dict[str, Any]:
-    """What :func:`jaxdp.xla_compiler_options` sets for ``cfg`` beyond the process's XLA flags
-    (a stage-1 config's, set at start-up): per-executable options, so that each variant
-    compiles as a user who applied its own config's flags would (e.g. stage 3 with
-    micro-batches: XLA's analytical cost model). None where no flags were applied (``--tiny``)."""
+    """What :func:`jaxdp.xla_compiler_options` sets for ``cfg`` that ``XLA_FLAGS`` does not
+    name already (the user's flags and a stage-1 config's, set at start-up) and that did not
+    abort a backend there: per-executable options, so that each variant compiles as a user
+    who applied its own config's flags would (e.g. stage 3 with micro-batches: XLA's
+    analytical cost model). Nothing where no flags were applied (``--tiny``)."""
     if not FLAGS[0]:
         return {}
-    n = jax.device_count()
-    base = jaxdp.xla_compiler_options(
-        jaxdp.DDPConfig(zero_stage=1, param_dtype="bfloat16"), dp_size=n
-    )
+    named = [*os.environ.get("XLA_FLAGS", "").split(), *FLAGS[1]]
+    taken = {f.split("=", 1)[0].removeprefix("--") for f in named}
     with warnings.catch_warnings():  # a jaxlib newer than the table: warned once at start-up
         warnings.simplefilter("ignore")
-        mine = jaxdp.xla_compiler_options(cfg, dp_size=n)
-    return {k: v for k, v in mine.items() if k not in base}
+        mine = jaxdp.xla_compiler_options(cfg, dp_size=jax.device_count())
+    return {k: v for k, v in mine.items() if k not in taken}
 
 
 def fusion(

@@ -155,13 +155,14 @@ def xla_compiler_options(
         # micro-batch's gathered params alive through this one's backward (measured on 8
         # compile-only H100s, 4.2M-param MLP, G = 4: 4.64 -> 8.88 bytes/param).
         opts["xla_gpu_enable_pipelined_all_gather"] = True
-    if config.zero_stage == 3 and config.num_microbatches > 1:
-        # ZeRO-3 runs every micro-batch in one loop body (jaxdp._kernels.GatherInGrad), and its
-        # backward both re-gathers params and reduce-scatters gradients. With XLA's default
-        # cost model the scheduler finished the body's backward gathers back to back, first
-        # thing; with the analytical one it interleaves them with the backward's GEMMs
-        # (compiled for 8 H100s, bench/bench_memory_gpu.py's MLP at G = 4: temporaries 2.50 ->
-        # 1.48 bytes/param; 1.92 when the last micro-batch ran outside the loop).
+    elif config.zero_stage == 3:
+        # With micro-batches ZeRO-3 runs every one of them in one loop body
+        # (jaxdp._kernels.GatherInGrad), whose backward both re-gathers params and
+        # reduce-scatters gradients. With XLA's default cost model the scheduler finished the
+        # body's backward gathers back to back, first thing; with the analytical one it
+        # interleaves them with the backward's GEMMs (compiled for 8 H100s,
+        # bench/bench_memory_gpu.py's MLP at G = 4: temporaries 2.50 -> 1.48 bytes/param; 1.92
+        # when the last micro-batch ran outside the loop).
         opts["xla_gpu_enable_analytical_latency_estimator"] = True
     _version_for(version, frozenset(opts))
     return {k: v for k, v in opts.items() if _BY_NAME[k].available(version)}

@@ -91,8 +91,8 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
     looped = stage == 2 and g > 1
     entry_grads = gradient_collectives(report, dp)
     in_loop = [c for c in gradient_collectives(report, dp, entry_only=False) if not c.entry]
-    grads = in_loop if looped else entry_grads
-    assert not (in_loop if not looped else entry_grads), report
+    grads, elsewhere = (in_loop, entry_grads) if looped else (entry_grads, in_loop)
+    assert not elsewhere, report
     assert len(grads) >= n if per_param else len(grads) == n, report
     assert all(c.kind == kind and c.is_async and c.dtype == wire for c in grads), report
     big = [c for c in report.of_kind(kind) if c.elements > max(b.numel for b in dp.layout.buckets)]
