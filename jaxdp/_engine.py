@@ -36,6 +36,7 @@ from ._plan import Plan, build_plan, check_supported
 from ._state import TrainState
 from ._step import _batch_signature, _Step
 from ._update import optimizer_update
+from ._xla_flags import engine_compiler_options
 from ._zero3_scan import warn_if_undetected
 
 __all__ = ["DataParallel", "TrainState"]
@@ -59,6 +60,13 @@ class DataParallel:
             tensor / expert parallelism"); see ``DDPConfig.expert_axis`` for experts.
         donate: donate the input state to the step (saves a copy of params and optimizer
             state; the input state is unusable afterwards).
+        compiler_options: XLA options the step compiles with. ``None`` (default): XLA's
+            defaults and ``XLA_FLAGS``. ``"jaxdp"``: on GPU meshes,
+            :func:`jaxdp.xla_compiler_options` for ``config`` and this mesh's data-parallel
+            size (the combine thresholds that keep buckets apart, the latency-hiding
+            scheduler), less the options ``XLA_FLAGS`` names; nothing on other platforms.
+            A dict: exactly those options. Unlike :func:`jaxdp.apply_xla_flags` this works
+            after the backend has started, and only for the step (README "XLA flags").
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -81,6 +89,7 @@ class DataParallel:
         mesh: Any = None,
         *,
         donate: bool = True,
+        compiler_options: dict[str, Any] | str | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(
@@ -106,6 +115,9 @@ class DataParallel:
         self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
+        self.compiler_options = engine_compiler_options(
+            compiler_options, config, dp_size=self.dp, platform=self.mesh.devices.flat[0].platform
+        )
         self._plan: Plan | None = None
         self._batch_sig: Any = None
         self._batch_ok: Any = None  # (local, treedef, leaf shapes/dtypes) of the last good batch
@@ -347,6 +359,7 @@ class DataParallel:
                 self._step_fn,
                 donate_argnums=(0,) if self.donate else (),
                 out_shardings=out,
+                compiler_options=self.compiler_options,
             )
             self._step = _Step(self, jitted)
         return self._step

@@ -210,6 +210,53 @@ def xla_flags(
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in opts.items()]
 
 
+def _named_in_xla_flags() -> set[str]:
+    """The option names ``XLA_FLAGS`` sets (``--name=value`` or ``--name``)."""
+    return {f.lstrip("-").split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+
+
+def engine_compiler_options(
+    compiler_options: object, config: DDPConfig, *, dp_size: int, platform: str
+) -> dict[str, bool | int] | None:
+    """``DataParallel(compiler_options=...)`` resolved into the step's ``jax.jit`` options.
+
+    ``None``: none (XLA's defaults and ``XLA_FLAGS``). ``"jaxdp"``: on GPU meshes,
+    :func:`xla_compiler_options` for ``config`` and ``dp_size`` less every option ``XLA_FLAGS``
+    names (the process's flags win, as with :func:`apply_xla_flags`); nothing on other
+    platforms, as every option is an XLA GPU one. A dict: exactly those options.
+
+    Example:
+        >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000)
+        >>> engine_compiler_options("jaxdp", cfg, dp_size=8, platform="cpu") is None
+        True
+        >>> opts = engine_compiler_options("jaxdp", cfg, dp_size=8, platform="gpu")
+        >>> opts["xla_gpu_reduce_scatter_combine_threshold_bytes"]
+        249999
+    """
+    if compiler_options is None:
+        return None
+    if isinstance(compiler_options, dict):
+        bad = [k for k in compiler_options if not isinstance(k, str)]
+        if bad:
+            raise TypeError(
+                f"DataParallel: compiler_options has key {bad[0]!r} "
+                f"({type(bad[0]).__name__}); expected XLA option names (str), e.g. "
+                "{'xla_gpu_enable_latency_hiding_scheduler': True}."
+            )
+        return dict(compiler_options) or None
+    if compiler_options != "jaxdp":
+        raise ValueError(
+            f"DataParallel: compiler_options={compiler_options!r}; expected None (XLA's "
+            "defaults and XLA_FLAGS), 'jaxdp' (jaxdp.xla_compiler_options for the config, on "
+            "GPU meshes) or a dict of XLA options. Fix: e.g. compiler_options='jaxdp'."
+        )
+    if platform not in ("gpu", "cuda", "rocm"):
+        return None
+    taken = _named_in_xla_flags()
+    mine = xla_compiler_options(config, dp_size=dp_size)
+    return {k: v for k, v in mine.items() if k not in taken} or None
+
+
 def _backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
@@ -266,7 +313,7 @@ def apply_xla_flags(
         config, jaxlib_version, dp_size=dp_size, latency_hiding_scheduler=latency_hiding_scheduler
     )
     current = os.environ.get("XLA_FLAGS", "").split()
-    present = {f.lstrip("-").split("=", 1)[0] for f in current}
+    present = _named_in_xla_flags()
     added = [f for f in flags if f.lstrip("-").split("=", 1)[0] not in present]
     os.environ["XLA_FLAGS"] = " ".join([*current, *added])
     return added

@@ -8,13 +8,14 @@ collective's start and done except the last one's.
 """
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
-from jaxdp import DataParallel, DDPConfig
+from jaxdp import DataParallel, DDPConfig, xla_compiler_options
 from jaxdp.aot import (
     abstract_batch,
     abstract_state,
@@ -126,6 +127,25 @@ def test_xla_defaults_merge_the_buckets(mesh, stage):
     kind = grad_kind(stage, "bf16")
     merged = [c for c in report.of_kind(kind) if c.elements >= 4 * BUCKET]
     assert len(merged) == 1 and merged[0].gemms_between == 0, report
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_engine_compiler_options_keep_the_buckets_apart(mesh, stage):
+    """DataParallel(compiler_options="jaxdp") compiles its own step (dp.step.lower().compile(),
+    no options at compile time) with jaxdp's settings on a GPU mesh: the same collectives as
+    compile_step's default, where XLA's defaults merge the buckets (test above)."""
+    dp, params, batch = build(mesh, stage, "bf16", 1)
+    own = DataParallel(dp.loss_fn, dp.optimizer, dp.config, mesh=mesh, compiler_options="jaxdp")
+    assert own.compiler_options == xla_compiler_options(dp.config, dp_size=8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        state = abstract_state(own, params, batch)
+        lowered = own.step.lower(state, abstract_batch(own, batch))
+    mine = schedule_report(lowered.compile())
+    ref = schedule_report(compile_step(dp, params, batch))  # builds dp's layout too
+    shape = lambda r: [(c.kind, c.dtype, c.elements) for c in r.collectives]  # noqa: E731
+    assert shape(mine) == shape(ref), (mine, ref)
+    assert len(gradient_collectives(mine, own)) >= len(dp.layout.buckets), mine
 
 
 def test_topology_devices(mesh):

@@ -16,6 +16,7 @@ from jaxdp._xla_flags import (
     NEWEST_CHECKED,
     apply_xla_flags,
     combine_thresholds,
+    engine_compiler_options,
     flag_available,
     xla_compiler_options,
     xla_flags,
@@ -141,6 +142,55 @@ def test_compiler_options_are_typed_and_match_the_flags():
     assert flags == [f"--{k}={str(v).lower()}" for k, v in opts.items()]
     no_lhs = xla_compiler_options(cfg, "0.10.2", dp_size=4, latency_hiding_scheduler=False)
     assert "xla_gpu_enable_latency_hiding_scheduler" not in no_lhs
+
+
+@pytest.mark.filterwarnings("ignore:jaxlib")
+def test_engine_compiler_options_resolve(monkeypatch):
+    """DataParallel(compiler_options=...): None / "jaxdp" (GPU meshes only, XLA_FLAGS names
+    win) / a dict; anything else is refused with the argument named."""
+    cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, param_dtype="bfloat16")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    mine = xla_compiler_options(cfg, dp_size=4)
+    assert engine_compiler_options("jaxdp", cfg, dp_size=4, platform="gpu") == mine
+    assert engine_compiler_options("jaxdp", cfg, dp_size=4, platform="cpu") is None
+    assert engine_compiler_options(None, cfg, dp_size=4, platform="gpu") is None
+    assert engine_compiler_options({}, cfg, dp_size=4, platform="gpu") is None
+    assert engine_compiler_options({"a": 1}, cfg, dp_size=4, platform="cpu") == {"a": 1}
+    monkeypatch.setenv("XLA_FLAGS", f"--{RS}=7 --xla_gpu_enable_latency_hiding_scheduler")
+    left = engine_compiler_options("jaxdp", cfg, dp_size=4, platform="gpu")
+    assert left == {
+        k: v for k, v in mine.items() if k not in (RS, "xla_gpu_enable_latency_hiding_scheduler")
+    }
+    with pytest.raises(ValueError, match=r"compiler_options='fast'.*Fix"):
+        engine_compiler_options("fast", cfg, dp_size=4, platform="gpu")
+    with pytest.raises(TypeError, match=r"compiler_options has key 3"):
+        engine_compiler_options({3: True}, cfg, dp_size=4, platform="gpu")
+
+
+def test_engine_takes_compiler_options_on_cpu():
+    """On XLA:CPU "jaxdp" adds nothing (every option is a GPU one); a dict reaches the jit,
+    and a bad value is refused when the engine is built, before anything compiles."""
+    import optax
+
+    from jaxdp import DataParallel
+
+    def loss(p, b):
+        return jnp.mean(b["x"] @ p["w"])
+
+    dp = DataParallel(loss, optax.sgd(0.1), DDPConfig(zero_stage=1), compiler_options="jaxdp")
+    assert dp.compiler_options is None
+    opts = {"xla_cpu_enable_fast_math": False}
+    dp = DataParallel(loss, optax.sgd(0.1), DDPConfig(zero_stage=1), compiler_options=opts)
+    state = dp.init({"w": jnp.ones((4, 2))})
+    batch = dp.shard_batch({"x": jnp.ones((16, 4))})
+    state, metrics = dp.step(state, batch)
+    assert float(metrics["loss"]) == 4.0
+    bogus = DataParallel(loss, optax.sgd(0.1), DDPConfig(), compiler_options={"xla_nope": 1})
+    state = bogus.init({"w": jnp.ones((4, 2))})
+    with pytest.raises(Exception, match="xla_nope"):  # the options reach XLA
+        bogus.step(state, batch)
+    with pytest.raises(ValueError, match="DataParallel: compiler_options=1"):
+        DataParallel(loss, optax.sgd(0.1), DDPConfig(), compiler_options=1)
 
 
 # ------------------------------------------------------------------ thresholds

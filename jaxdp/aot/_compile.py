@@ -94,7 +94,9 @@ def compile_step(
         params: the params pytree (arrays or ``ShapeDtypeStruct``).
         batch: the global batch (arrays or ``ShapeDtypeStruct``).
         compiler_options: ``"jaxdp"`` (default): :func:`jaxdp.xla_compiler_options` for the
-            engine's config and data-parallel size; ``None``: XLA's defaults; or a dict.
+            engine's config and data-parallel size; ``None``: XLA's defaults (with whatever
+            the engine itself was built with, ``DataParallel(compiler_options=...)``); or a
+            dict. Options given here win over the engine's.
 
     Returns:
         The ``jax.stages.Compiled`` step; ``.as_text()`` is the scheduled program.

@@ -100,6 +100,9 @@ class Trainer:
             make_optimizer(cfg, self.params0),
             self.ddp,
             mesh=self.mesh,
+            # On GPUs: the combine thresholds that keep buckets apart and the scheduler settings
+            # (jaxdp.xla_compiler_options), for the step only; XLA_FLAGS names win.
+            compiler_options="jaxdp",
         )
         # shapes only: lets ZeRO-3 find the scanned block stack (GPTConfig.scan) and gather it
         # one layer per scan iteration
@@ -175,6 +178,11 @@ class Trainer:
             f"{self.corpus.val.size:,} val bytes)"
             + (f"; resumed at step {start}" if self.resume_step is not None else "")
         )
+        if eng.compiler_options:
+            self.console.print(
+                "XLA options for the step (jaxdp.xla_compiler_options): "
+                + ", ".join(f"{k}={v}" for k, v in eng.compiler_options.items())
+            )
         eval_fn = jax.jit(self.loss_fn)
         tokens_per_step = t.global_batch * cfg.model.context
         flops_per_token = train_flops_per_token(cfg.model, n_params)
