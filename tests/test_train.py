@@ -67,6 +67,9 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
         "attention": "auto",
     }
     assert saved["ddp"]["num_microbatches"] == 1  # resolved config, not the input
+    with open(os.path.join(straight, "summary.json")) as f:
+        # jaxdp's XLA options are GPU options: none on XLA:CPU
+        assert json.load(f)["xla_options"] == {}
     out = capsys.readouterr().out
     assert "summary" in out and "MFU (dense bf16 peak)" in out  # "-" on CPUs (no peak)
 

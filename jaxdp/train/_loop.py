@@ -319,6 +319,8 @@ class Trainer:
             "step_time_s": step_time,
             "compile_s": compile_s,
             "wall_s": wall,
+            # what the step compiled with beyond XLA_FLAGS (jaxdp.xla_compiler_options on GPUs)
+            "xla_options": dict(eng.compiler_options or {}),
         }
         plot_loss(records, os.path.join(out, "loss.png"), info["unigram_entropy"])
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
