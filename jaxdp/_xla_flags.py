@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Final
+import warnings
+from typing import Any, Final
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from ._config import AUTO_BUCKET_SIZE, DDPConfig, default_bucket_size
 from ._xla_flag_table import (
     _BY_NAME,
     FLAG_TABLE,
+    SEEN_ACCEPTED,
     FlagSpec,
     Version,
     _resolve_version,
@@ -215,15 +217,60 @@ def _named_in_xla_flags() -> set[str]:
     return {f.lstrip("-").split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
 
 
+def known_options(opts: dict[str, Any], device: Any) -> dict[str, Any]:
+    """``opts`` less the options this XLA refuses ("No such compile option"), each dropped
+    with a warning: a jaxlib newer than :data:`FLAG_TABLE` may have removed one, and a
+    per-executable option XLA does not know fails the compile. Probed by compiling a scalar
+    program on ``device`` (tens of milliseconds).
+
+    Example:
+        >>> import jax, warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     known_options({"xla_gpu_enable_latency_hiding_scheduler": True,
+        ...                    "xla_gone_flag": 1}, jax.devices()[0])
+        {'xla_gpu_enable_latency_hiding_scheduler': True}
+    """
+    import jax
+
+    spec = jax.ShapeDtypeStruct((), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+
+    def accepted(o: dict[str, Any]) -> bool:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=o).lower(spec).compile()
+        except Exception as e:  # XLA's INVALID_ARGUMENT surfaces as a JaxRuntimeError
+            if "compile option" in str(e):
+                return False
+            raise
+        return True
+
+    if not opts or accepted(opts):
+        return opts
+    kept = {k: v for k, v in opts.items() if accepted({k: v})}
+    warnings.warn(
+        f"xla_compiler_options: this jaxlib's XLA has no option {sorted(set(opts) - set(kept))}; "
+        "the step compiles without it. Fix: update jaxdp's FLAG_TABLE for this release (or "
+        "pass compiler_options=None and set XLA_FLAGS yourself).",
+        stacklevel=3,
+    )
+    return kept
+
+
 def engine_compiler_options(
-    compiler_options: object, config: DDPConfig, *, dp_size: int, platform: str
+    compiler_options: object,
+    config: DDPConfig,
+    *,
+    dp_size: int,
+    platform: str,
+    device: Any = None,
 ) -> dict[str, bool | int] | None:
     """``DataParallel(compiler_options=...)`` resolved into the step's ``jax.jit`` options.
 
     ``None``: none (XLA's defaults and ``XLA_FLAGS``). ``"jaxdp"``: on GPU meshes,
     :func:`xla_compiler_options` for ``config`` and ``dp_size`` less every option ``XLA_FLAGS``
     names (the process's flags win, as with :func:`apply_xla_flags`); nothing on other
-    platforms, as every option is an XLA GPU one. A dict: exactly those options.
+    platforms, as every option is an XLA GPU one. On a jaxlib newer than the flag table, the
+    options it was not seen to accept are first tried on ``device`` (:func:`known_options`).
+    A dict: exactly those options.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000)
@@ -254,7 +301,12 @@ def engine_compiler_options(
         return None
     taken = _named_in_xla_flags()
     mine = xla_compiler_options(config, dp_size=dp_size)
-    return {k: v for k, v in mine.items() if k not in taken} or None
+    opts = {k: v for k, v in mine.items() if k not in taken}
+    version = _resolve_version(None)
+    seen = SEEN_ACCEPTED.get(version[:3], frozenset())
+    if device is not None and version > NEWEST_CHECKED and not set(opts) <= seen:
+        opts = known_options(opts, device)  # a release the table has not checked: ask its XLA
+    return opts or None
 
 
 def _backend_started() -> bool:

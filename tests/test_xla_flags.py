@@ -167,6 +167,24 @@ def test_engine_compiler_options_resolve(monkeypatch):
         engine_compiler_options({3: True}, cfg, dp_size=4, platform="gpu")
 
 
+def test_untabled_jaxlib_options_are_asked_of_its_xla(monkeypatch):
+    """On a jaxlib newer than the flag table, "jaxdp" keeps only the options that release's
+    XLA compiles with, dropping the others with a warning instead of failing the step."""
+    import jaxdp._xla_flags as xf
+
+    cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000)
+    newer = (NEWEST_CHECKED[0], NEWEST_CHECKED[1] + 7, 0)
+    monkeypatch.setattr(xf, "_resolve_version", lambda v=None: newer)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    dev = jax.devices()[0]
+    with pytest.warns(UserWarning, match="newer than"):
+        opts = engine_compiler_options("jaxdp", cfg, dp_size=4, platform="gpu", device=dev)
+    assert opts and "xla_gpu_enable_latency_hiding_scheduler" in opts  # XLA:CPU knows them all
+    with pytest.warns(UserWarning, match=r"no option \['xla_gone_flag'\]"):
+        kept = xf.known_options({"xla_gone_flag": 1, **opts}, dev)
+    assert kept == opts
+
+
 def test_engine_takes_compiler_options_on_cpu():
     """On XLA:CPU "jaxdp" adds nothing (every option is a GPU one); a dict reaches the jit,
     and a bad value is refused when the engine is built, before anything compiles."""
