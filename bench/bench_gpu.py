@@ -135,6 +135,7 @@ import optax  # noqa: E402
 
 import jaxdp  # noqa: E402
 from jaxdp import aot  # noqa: E402
+from jaxdp._xla_flags import engine_compiler_options  # noqa: E402
 from jaxdp.models import GPT, GPTConfig, attention_implementation, next_byte_loss  # noqa: E402
 from jaxdp.train._data import CorpusError, batch_rows, load_corpus  # noqa: E402
 from jaxdp.train._mfu import peak_tflops, train_flops_per_token  # noqa: E402
@@ -321,12 +322,15 @@ def config_options(cfg: Any) -> dict[str, Any]:
     analytical cost model). Nothing where no flags were applied (``--tiny``)."""
     if not FLAGS[0]:
         return {}
-    named = [*os.environ.get("XLA_FLAGS", "").split(), *FLAGS[1]]
-    taken = {f.split("=", 1)[0].removeprefix("--") for f in named}
+    dropped = {f.split("=", 1)[0].removeprefix("--") for f in FLAGS[1]}
+    dev = jax.devices()[0]
     with warnings.catch_warnings():  # a jaxlib newer than the table: warned once at start-up
         warnings.simplefilter("ignore")
-        mine = jaxdp.xla_compiler_options(cfg, dp_size=jax.device_count())
-    return {k: v for k, v in mine.items() if k not in taken}
+        # DataParallel(compiler_options="jaxdp")'s own resolution: less what XLA_FLAGS names
+        mine = engine_compiler_options(
+            "jaxdp", cfg, dp_size=jax.device_count(), platform=dev.platform, device=dev
+        )
+    return {k: v for k, v in (mine or {}).items() if k not in dropped}
 
 
 def fusion(

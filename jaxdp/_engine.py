@@ -115,9 +115,12 @@ class DataParallel:
         self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
-        first = self.mesh.devices.flat[0]
         self.compiler_options = engine_compiler_options(
-            compiler_options, config, dp_size=self.dp, platform=first.platform, device=first
+            compiler_options,
+            config,
+            dp_size=self.dp,
+            platform=self.group.platform,
+            device=self.mesh.devices.flat[0],
         )
         self._plan: Plan | None = None
         self._batch_sig: Any = None
