@@ -32,7 +32,7 @@ from ._group import ReductionGroup
 from ._layout import BucketLayout
 from ._loss import LossCall, check_init_inputs, plain_loss
 from ._mesh import auto_mesh, check_mesh, make_mesh
-from ._plan import Plan, build_plan, check_supported
+from ._plan import Plan, build_plan, check_engine_args
 from ._state import TrainState
 from ._step import _batch_signature, _Step
 from ._update import optimizer_update
@@ -91,36 +91,18 @@ class DataParallel:
         donate: bool = True,
         compiler_options: dict[str, Any] | str | None = None,
     ):
-        if not callable(loss_fn):
-            raise TypeError(
-                f"DataParallel: loss_fn is a {type(loss_fn).__name__}; expected a callable "
-                "loss_fn(params, microbatch) -> loss. Fix: pass the function itself."
-            )
-        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise TypeError(
-                f"DataParallel: optimizer is a {type(optimizer).__name__}; expected an "
-                "optax.GradientTransformation (with init and update). Fix: e.g. optax.adamw(1e-3)."
-            )
-        if not isinstance(config, DDPConfig):
-            raise TypeError(
-                f"DataParallel: config is a {type(config).__name__}; expected a jaxdp.DDPConfig. "
-                "Fix: config=DDPConfig(...) or DDPConfig.from_yaml(path)."
-            )
+        check_engine_args(loss_fn, optimizer, config)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
-        check_supported(config)
         check_mesh(mesh, config.data_axis, config.expert_axis)
         self.mesh = auto_mesh(make_mesh(mesh, axis=config.data_axis))
         self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
+        first = self.mesh.devices.flat[0]
         self.compiler_options = engine_compiler_options(
-            compiler_options,
-            config,
-            dp_size=self.dp,
-            platform=self.group.platform,
-            device=self.mesh.devices.flat[0],
+            compiler_options, config, dp_size=self.dp, platform=self.group.platform, device=first
         )
         self._plan: Plan | None = None
         self._batch_sig: Any = None

@@ -52,7 +52,7 @@ from ._sharding import ShardingPlan
 from ._strategy import Replicated, ShardedOpt, ShardedParams, Strategy
 from ._zero3_scan import find_stacks, finds_stacks, zero3_scan_value_and_grad
 
-__all__ = ["UNSUPPORTED", "Plan", "build_plan", "check_supported"]
+__all__ = ["UNSUPPORTED", "Plan", "build_plan", "check_engine_args", "check_supported"]
 
 
 def _expert_zero(config: DDPConfig, sharding: ShardingPlan | None) -> str | None:
@@ -92,6 +92,27 @@ def check_supported(config: DDPConfig, sharding: ShardingPlan | None = None) -> 
         msg = row(config, sharding)
         if msg is not None:
             raise NotImplementedError(msg)
+
+
+def check_engine_args(loss_fn: Any, optimizer: Any, config: Any) -> None:
+    """Refuse ``DataParallel``'s arguments of the wrong kind, then unsupported configs
+    (:func:`check_supported`), before anything is built."""
+    if not callable(loss_fn):
+        raise TypeError(
+            f"DataParallel: loss_fn is a {type(loss_fn).__name__}; expected a callable "
+            "loss_fn(params, microbatch) -> loss. Fix: pass the function itself."
+        )
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"DataParallel: optimizer is a {type(optimizer).__name__}; expected an "
+            "optax.GradientTransformation (with init and update). Fix: e.g. optax.adamw(1e-3)."
+        )
+    if not isinstance(config, DDPConfig):
+        raise TypeError(
+            f"DataParallel: config is a {type(config).__name__}; expected a jaxdp.DDPConfig. "
+            "Fix: config=DDPConfig(...) or DDPConfig.from_yaml(path)."
+        )
+    check_supported(config)
 
 
 @dataclasses.dataclass(frozen=True)
