@@ -19,9 +19,13 @@ jax.config.update("jax_enable_x64", False)
 # Many tests compile the same program (an engine and its reference on the same model and
 # config): a persistent compilation cache private to this test session serves the repeats
 # (about a fifth of the suite's time). Set here, not in the environment, so that the scripts
-# the tests start as subprocesses compile as a user's run would.
-_XLA_CACHE = tempfile.mkdtemp(prefix="jaxdp-tests-xla-cache-")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+# the tests start as subprocesses compile as a user's run would. Under pytest-xdist the workers
+# share the controller's (they inherit its environment); the controller, or a plain run, made it
+# and removes it at exit.
+_XLA_CACHE = os.environ.get("JAXDP_TESTS_XLA_CACHE", "")
+if not _XLA_CACHE:
+    _XLA_CACHE = os.environ["JAXDP_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxdp-tests-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
