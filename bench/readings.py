@@ -83,6 +83,37 @@ most of it `eraseManualAxes`, which grows with the number of operands: one per p
 master shard and moment), XLA:CPU's thunk execution graph (+2.1 s: 2,000 more collective
 thunks), the SPMD partitioner (+0.5 s) and more fusions to emit (the padded views).
 
+Looked at again at `4c2ac43` (1,000 leaves, XLA:CPU, `perf` over one stage-1 compile): the
+largest single cost is XLA:CPU's thunk execution graph, which checks every thunk's buffers
+against the others' and then prunes the edges (`ReadWriteSet::HasConflicts`,
+`ExecutionGraph::EraseEdge`, the transitive reduction: about 14% of the samples), so each
+thunk costs more the more there are: stage 1 has 2,000 collective thunks (one reduce-scatter
+and one all-gather per parameter, which XLA:CPU never combines; it does combine stage 0's
+all-reduces into one) where plain `jit` has one all-reduce. Two changes measured and dropped:
+the end-of-step gathers in `shard_map`s of 100 parameters (Shardy 6.3-7.3 -> 5.6-6.9 s of a
+40 s compile, within the run-to-run noise of the whole), and ordering every update after the
+gradient norm (it removes the 49 copies of weight matrices XLA:CPU inserts at 100 leaves,
+because nothing orders a backward GEMM's read of a donated weight before the unordered gather
+that overwrites it, but the compile did not measurably change). The `init` program compiles
+in 4.3-5.0 s at 1,000 leaves against 0.9 s for plain `jit`'s `optimizer.init`: the master view
+(1,000 partition-offset slices, 1.6 s), the working params' copies (0.75 s) and the sharded
+optimizer zeros (1.3 s); copying the working params with `jax.device_put(..., may_alias=False)`
+instead took 1.15 s.
+
+At 100 leaves on XLA:CPU (measured at `ae7786e`, in paired fresh processes): stage 1 has
+659 fusions against plain `jit`'s 556. 100 of the extra ones multiply each reduced gradient
+shard by 1/dp on its own: the update folds the scale into its constants, but the gradient norm
+rebuilds each bucket from the scaled shards by a concatenation, which XLA:CPU does not fuse, so
+every scaled shard is materialised first. Summing the norm over the unscaled shards with the
+scale applied after the concatenation took them away (559 fusions) and the XLA compile from
+1.85 to 1.66 s (means of 6 rounds; the whole stage-1 compile, `init` and lowering included,
+is about 2.7 s against plain `jit`'s 1.9 s on this machine): about 7% of the gap to the goal.
+Not landed: the kernels return the shards already scaled (`jaxdp._reduce.finish_deferred`),
+and the norm would need the unscaled sums and their divisors carried beside them through every
+kernel. `init` does not trace its program twice: `jax.eval_shape` of the state builder and the
+`jit` with `out_shardings` share one trace (constraining the outputs inside the one `jit`
+instead left `init` at 5.0-5.4 s at 1,000 leaves, unchanged).
+
 On the compile-only H100s (XLA's own pass timings from a profile, one fresh process each,
 `--xla_gpu_force_compilation_parallelism=1`, measured by hand): at 1,000 leaves plain `jit`'s
 XLA compile took 41.8 s and stage 1's 69.5 s, of it multi-output fusion 6.3 against 16.5 s and
