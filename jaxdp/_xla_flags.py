@@ -21,6 +21,7 @@ which work at any time.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -217,6 +218,22 @@ def _named_in_xla_flags() -> set[str]:
     return {f.lstrip("-").split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
 
 
+@functools.cache
+def _accepted(items: tuple[tuple[str, Any], ...], device: Any) -> bool:
+    """Whether ``device``'s XLA compiles a scalar program with these options (asked once per
+    process: every engine of a run, and each variant of a benchmark, asks the same)."""
+    import jax
+
+    spec = jax.ShapeDtypeStruct((), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(items)).lower(spec).compile()
+    except Exception as e:  # XLA's INVALID_ARGUMENT surfaces as a JaxRuntimeError
+        if "compile option" in str(e):
+            return False
+        raise
+    return True
+
+
 def known_options(opts: dict[str, Any], device: Any) -> dict[str, Any]:
     """``opts`` less the options this XLA refuses ("No such compile option"), each dropped
     with a warning: a jaxlib newer than :data:`FLAG_TABLE` may have removed one, and a
@@ -230,18 +247,9 @@ def known_options(opts: dict[str, Any], device: Any) -> dict[str, Any]:
         ...                    "xla_gone_flag": 1}, jax.devices()[0])
         {'xla_gpu_enable_latency_hiding_scheduler': True}
     """
-    import jax
-
-    spec = jax.ShapeDtypeStruct((), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))
 
     def accepted(o: dict[str, Any]) -> bool:
-        try:
-            jax.jit(lambda x: x + 1, compiler_options=o).lower(spec).compile()
-        except Exception as e:  # XLA's INVALID_ARGUMENT surfaces as a JaxRuntimeError
-            if "compile option" in str(e):
-                return False
-            raise
-        return True
+        return _accepted(tuple(sorted(o.items())), device)
 
     if not opts or accepted(opts):
         return opts
