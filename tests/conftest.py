@@ -18,9 +18,10 @@ jax.config.update("jax_enable_x64", False)
 
 # Many tests compile the same program (an engine and its reference on the same model and
 # config): a persistent compilation cache private to this test session serves the repeats
-# (about a fifth of the suite's time). Set here, not in the environment, so that the scripts
-# the tests start as subprocesses compile as a user's run would. Under pytest-xdist the workers
-# share the controller's (they inherit its environment); the controller, or a plain run, made it
+# (about a fifth of the suite's time). Set through jax.config, not JAX_COMPILATION_CACHE_DIR,
+# so that the scripts the tests start as subprocesses compile as a user's run would. Under
+# pytest-xdist the workers share the controller's (its path reaches them in
+# JAXDP_TESTS_XLA_CACHE, which only this file reads); the controller, or a plain run, made it
 # and removes it at exit.
 _XLA_CACHE = os.environ.get("JAXDP_TESTS_XLA_CACHE", "")
 if not _XLA_CACHE:
