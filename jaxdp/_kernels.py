@@ -124,13 +124,22 @@ class Kernel:
 
 
 class _Sharded(Kernel):
-    """The reduced gradients are this rank's shard view (stages >= 1)."""
+    """The reduced gradients are this rank's shard view (stages >= 1).
+
+    ``divisors`` collects, at trace time, each reduced array's deferred divisor (one tuple per
+    traced reduction, :func:`jaxdp._reduce.finish_deferred`); the gradient norm is told the
+    last one (:meth:`jaxdp._nested.PlainOps.square_norm`)."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.divisors: list[tuple[int, ...]] = []
 
     def out(self, red: Any) -> Any:
         return self.ops.out_shards(red)
 
     def square_norm(self, red: Any) -> jax.Array:
-        return self.ops.group_sum(self.ops.square_norm(red))
+        divisors = self.divisors[-1] if self.divisors else None
+        return self.ops.group_sum(self.ops.square_norm(red, divisors))
 
     def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
         # Reduce-scattered as a micro-batch is, then divided once in main_grads_dtype: the
@@ -138,6 +147,7 @@ class _Sharded(Kernel):
         # 1/(G dp) is applied to this rank's shard, fused into the update, rather than to the
         # whole gradient before the wire in a pass of its own.
         red, divisors = self.ops.reduce_microbatch(packed, self.g)
+        self.divisors.append(divisors)  # static ints, the same at every trace
         return finish_deferred(tuple(r.astype(self.acc_dt) for r in red), divisors)
 
 
@@ -229,10 +239,6 @@ class ReduceEachMicrobatch(ScatterAtEnd):
 
     peel_last = False
 
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        self.divisors: list[tuple[int, ...]] = []
-
     def acc0(self) -> Any:
         return self.ops.zeros(self.ops.numels(sharded=True), self.acc_dt)
 
@@ -273,7 +279,6 @@ class GatherInGrad(_Sharded, Kernel):
             self.parts, layout, self.config, num_microbatches=self.g, place=self.ops.place
         )
         self.pre = pre
-        self.divisors: list[tuple[int, ...]] = []
         vary = lambda t: jax.tree.map(lambda v: jax.lax.pcast(v, axis, to="varying"), t)  # noqa: E731
         self.accs0 = vary(self.ops.zeros([b.shard_numel for b in layout.buckets], self.acc_dt))
         self.flags0 = vary(self.ops.zeros([len(b.slots) for b in layout.buckets], jnp.float32))

@@ -63,9 +63,13 @@ class PlainOps:
             out.append(jax.lax.pcast(w, axes, to="varying") if axes else w)
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
+    def square_norm(
+        self, red: Sequence[jax.Array], divisors: Sequence[int] | None = None
+    ) -> jax.Array:
         """Squared L2 norm of this rank's reduced gradients, summed array by array: one array
-        per entry of ``reduce_buckets`` (a bucket, or a parameter in :mod:`jaxdp._per_param`)."""
+        per entry of ``reduce_buckets`` (a bucket, or a parameter in :mod:`jaxdp._per_param`).
+        ``divisors``: what each array of ``red`` was divided by after its collective
+        (:func:`jaxdp._reduce.finish_deferred`), or ``None``; unused here."""
         return self._sum_squares(red, self.reduce_groups)
 
     def _sum_squares(self, arrays: Sequence[jax.Array], groups: Sequence[Any]) -> jax.Array:

@@ -112,14 +112,32 @@ class _PerParameter(PlainOps):
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
         self.norm_per_parameter = norm_per_parameter(self.group.platform, self.group.size)
 
-    def square_norm(self, red: Sequence[jax.Array]) -> jax.Array:
+    def square_norm(
+        self, red: Sequence[jax.Array], divisors: Sequence[int] | None = None
+    ) -> jax.Array:
         if self.norm_per_parameter:
             return super().square_norm(red)
         lay = self.layout
-        buckets = [
-            lay._fill(b, {i: red[i] for i in b.slots}, red[b.slots[0]].dtype) for b in lay.buckets
-        ]
+        buckets = [self._bucket(b, red, divisors) for b in lay.buckets]
         return self._sum_squares(buckets, self.groups)
+
+    def _bucket(self, b: Any, red: Sequence[jax.Array], divisors: Sequence[int] | None) -> Any:
+        """Bucket ``b`` rebuilt from its reduced parameters, for the norm.
+
+        Where each of them is its collective's output times ``1/d`` for one power of two ``d``
+        (``divisors``: :func:`jaxdp._reduce.finish_deferred`), it is rebuilt as
+        ``fill(r * d) * (1/d)``: the same bits (both scalings are exact), but XLA cancels
+        ``r * (1/d) * d`` and concatenates the collectives' outputs as they are. Otherwise
+        XLA:CPU, which does not fuse a concatenation, first writes out every scaled
+        parameter: one more fusion per parameter to compile (100 leaves at stage 1: 659
+        fusions against 559)."""
+        ds = {divisors[i] for i in b.slots} if divisors else {1}
+        d = ds.pop() if len(ds) == 1 else 1
+        dtype = red[b.slots[0]].dtype
+        if d == 1 or d & (d - 1):
+            return self.layout._fill(b, {i: red[i] for i in b.slots}, dtype)
+        up, down = jnp.asarray(d, dtype), jnp.asarray(1.0 / d, dtype)
+        return self.layout._fill(b, {i: red[i] * up for i in b.slots}, dtype) * down
 
 
 class AllReduceOps(_PerParameter):

@@ -241,6 +241,48 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
         np.testing.assert_allclose(n_b, ref_norms, rtol=1e-5)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(
+    ("g", "extra", "dp_size"),
+    [
+        (1, {}, 8),
+        (4, {}, 12),
+        (1, {"param_dtype": "bfloat16"}, 8),
+        (4, {"param_dtype": "bfloat16"}, 6),
+        (2, {"param_dtype": "bfloat16", "grad_reduce_in_fp32": True}, 8),
+    ],
+    ids=["fp32-1-8", "fp32-4-12", "bf16-wire-1-8", "bf16-wire-4-6", "fp32-wire-2-8"],
+)
+def test_stage12_bucketed_path_matches_per_parameter(data, monkeypatch, stage, g, extra, dp_size):
+    """Stages 1-2 reduce-scatter and gather each parameter on its own
+    (jaxdp._per_param.per_parameter_collectives), and on XLA:CPU sum the gradient norm over
+    each bucket rebuilt from the reduced parameters, unscaled where the divisor is a power of
+    two (PerParamOps._bucket). Against the packed buckets, over one step with clipping
+    active (the norm enters the update): the same norm and the same params bit for bit.
+    (Over more steps XLA:CPU may emit the two programs' AdamW fusions differently, which moves
+    an element of the params by an ulp now and then; the reference tests bound both.)"""
+    import jaxdp._plan as plan_module
+    from jaxdp import make_mesh
+
+    params, batches = data
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    cfg = DDPConfig(zero_stage=stage, num_microbatches=g, bucket_size=64, clip_grad=0.05, **extra)
+    mesh = make_mesh(devices=jax.devices()[:dp_size])
+    rows = 8 * dp_size if dp_size != 8 else 64
+    batches = [jax.tree.map(lambda x: x[:rows], b) for b in batches[:1]]
+
+    per_param, s_pp, n_pp = train_on(mesh, cfg, opt, params, batches)
+    monkeypatch.setattr(plan_module, "per_parameter_collectives", lambda *a: False)
+    bucketed, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
+    assert per_param.plan.strategy.reduces_per_parameter
+    assert not bucketed.plan.strategy.reduces_per_parameter
+    assert len(bucketed.layout.buckets) > 3
+    np.testing.assert_array_equal(n_pp, n_b)
+    assert n_b[0] > 0.05  # clipping was active
+    for a, b in zip(jax.tree.leaves(s_pp.params), jax.tree.leaves(s_b.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("stage,dp_size", [(0, 8), (1, 8), (1, 6), (2, 3)])
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
 def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size, clip):
