@@ -100,19 +100,27 @@ in 4.3-5.0 s at 1,000 leaves against 0.9 s for plain `jit`'s `optimizer.init`: t
 optimizer zeros (1.3 s); copying the working params with `jax.device_put(..., may_alias=False)`
 instead took 1.15 s.
 
-At 100 leaves on XLA:CPU (measured at `ae7786e`, in paired fresh processes): stage 1 has
-659 fusions against plain `jit`'s 556. 100 of the extra ones multiply each reduced gradient
-shard by 1/dp on its own: the update folds the scale into its constants, but the gradient norm
-rebuilds each bucket from the scaled shards by a concatenation, which XLA:CPU does not fuse, so
-every scaled shard is materialised first. Summing the norm over the unscaled shards with the
-scale applied after the concatenation took them away (559 fusions) and the XLA compile from
-1.85 to 1.66 s (means of 6 rounds; the whole stage-1 compile, `init` and lowering included,
-is about 2.7 s against plain `jit`'s 1.9 s on this machine): about 7% of the gap to the goal.
-Not landed: the kernels return the shards already scaled (`jaxdp._reduce.finish_deferred`),
-and the norm would need the unscaled sums and their divisors carried beside them through every
-kernel. `init` does not trace its program twice: `jax.eval_shape` of the state builder and the
-`jit` with `out_shardings` share one trace (constraining the outputs inside the one `jit`
-instead left `init` at 5.0-5.4 s at 1,000 leaves, unchanged).
+At 100 leaves on XLA:CPU stage 1 had 659 fusions against plain `jit`'s 556 (measured at
+`ae7786e`). 100 of the extra ones multiplied each reduced gradient shard by 1/dp on its own:
+the update folds the scale into its constants, but the gradient norm rebuilt each bucket from
+the scaled shards by a concatenation, which XLA:CPU does not fuse, so every scaled shard was
+written out first. Since `83c185b` the norm rebuilds each bucket as `fill(r * d) * (1/d)` for
+a power-of-two divisor `d` (`jaxdp._per_param`): the same bits, and XLA cancels the scale, so
+the concatenation reads the reduce-scatters' outputs as they are (559 fusions; the norms and
+params are the bucketed path's bit for bit, `tests/test_engine_parity.py`). The compile time
+barely moved: XLA compile 1.79 s against 1.86 s at 100 leaves (means of 15 compiles, the two
+versions side by side) and 20.6 s for both at 1,000 leaves; an earlier estimate from 6 fresh
+processes (1.85 -> 1.66 s) was within this machine's noise. Where stage 1's XLA compile goes
+at 100 leaves (XLA's own pass timings from a profile, 3 fresh processes each, stage 1 against
+plain `jit`): the whole compile 1.25 s against 0.70 s, of it Shardy 0.35 against 0.11 s (half
+of the difference: its conversions between HLO and StableHLO and its propagation, which at
+stage 1 runs over the update's sharded arrays), the backend 0.38 against 0.27 s, the HLO passes
+around layout assignment 0.35 against 0.23 s and copy insertion 0.12 against 0.07 s. An
+AdamW update on 200 arrays sharded over the data axis compiles in about 1.8 s, in a
+`shard_map` in 1.7 s and replicated in 1.7 s, so moving the update into the step's
+`shard_map` would save little. `init` does not trace its program twice: `jax.eval_shape` of the
+state builder and the `jit` with `out_shardings` share one trace (constraining the outputs
+inside the one `jit` instead left `init` at 5.0-5.4 s at 1,000 leaves, unchanged).
 
 On the compile-only H100s (XLA's own pass timings from a profile, one fresh process each,
 `--xla_gpu_force_compilation_parallelism=1`, measured by hand): at 1,000 leaves plain `jit`'s
@@ -130,7 +138,11 @@ donated working params are dead from their last use until the gather rewrites th
 places temporaries in them (the first layer's kernel, last read by the first GEMM, holds the
 second layer's activation), and an entry parameter is 16-byte aligned where XLA's own buffers
 are 256-byte aligned, so the forward, input-gradient and weight-gradient GEMMs of the MLP come
-in three alignments each.
+in three alignments each. Keeping the old working params alive until the gather (one element
+of each read after the gradient norm, before the first gather) took the kernels from 33 to 26
+(a step that does not donate its state has 26 too; plain `jit` 16) but made the compile
+slower, not faster: 3.9-4.7 s against 2.7-3.9 s (second and third compiles in one process,
+two processes each, `83c185b`). Dropped.
 
 The optimizer probe in `init` (three optimizer steps on small probe tensors, to refuse
 optimizers that would change when sharded) does not run for this AdamW: a chain made only of
