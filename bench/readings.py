@@ -148,10 +148,11 @@ places temporaries in them (the first layer's kernel, last read by the first GEM
 second layer's activation), and an entry parameter is 16-byte aligned where XLA's own buffers
 are 256-byte aligned, so the forward, input-gradient and weight-gradient GEMMs of the MLP come
 in three alignments each. Keeping the old working params alive until the gather (one element
-of each read after the gradient norm, before the first gather) took the kernels from 33 to 26
-(a step that does not donate its state has 26 too; plain `jit` 16) but made the compile
-slower, not faster: 3.9-4.7 s against 2.7-3.9 s (second and third compiles in one process,
-two processes each, `83c185b`). Dropped.
+of each read after the gradient norm, before the first gather) took the kernels from 33 to
+26-28 (a step that does not donate its state has 26 too; plain `jit` 16) but made the compile
+slower, not faster: 3.0-3.7 s against 2.3-2.9 s (fresh processes, `83c185b`; the reads' chain
+of ORs made the simplifier iterate 25 times instead of 2, and one stacked read instead still
+cost 0.7 s). Dropped.
 
 The optimizer probe in `init` (three optimizer steps on small probe tensors, to refuse
 optimizers that would change when sharded) does not run for this AdamW: a chain made only of
