@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from ._config import DDPConfig
@@ -136,7 +137,7 @@ class _PerParameter(PlainOps):
         dtype = red[b.slots[0]].dtype
         if d == 1 or d & (d - 1):
             return self.layout._fill(b, {i: red[i] for i in b.slots}, dtype)
-        up, down = jnp.asarray(d, dtype), jnp.asarray(1.0 / d, dtype)
+        up, down = np.asarray(d, dtype), np.asarray(1.0 / d, dtype)
         return self.layout._fill(b, {i: red[i] * up for i in b.slots}, dtype) * down
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._config import DDPConfig
 from ._layout import Bucket, BucketLayout
@@ -117,7 +118,7 @@ def metric_sum(x: jax.Array, config: DDPConfig, axis: Any = None) -> jax.Array:
 def _scaled(x: jax.Array, factor: float, dtype: Any) -> jax.Array:
     """``x * factor`` computed in ``dtype`` (x is cast first, so no low-precision arithmetic)."""
     x = x.astype(dtype)
-    return x if factor == 1.0 else x * jnp.asarray(factor, dtype)
+    return x if factor == 1.0 else x * np.asarray(factor, dtype)
 
 
 def _divided(x: jax.Array, divisor: int, dtype: Any) -> jax.Array:
@@ -134,8 +135,8 @@ def _divided(x: jax.Array, divisor: int, dtype: Any) -> jax.Array:
     if divisor == 1:
         return x
     if divisor & (divisor - 1) == 0:  # a power of two: the reciprocal is exact
-        return x * jnp.asarray(1.0 / divisor, dtype)
-    return x / (x * jnp.asarray(0, dtype) + jnp.asarray(divisor, dtype))
+        return x * np.asarray(1.0 / divisor, dtype)
+    return x / (x * np.asarray(0, dtype) + np.asarray(divisor, dtype))
 
 
 def _reduce_one(
