@@ -206,6 +206,23 @@ def test_explicit_mesh_and_unsharded_batches(data, stage):
     assert max_rel_err(dp.params(state), ref) < 1e-6
 
 
+def per_param_and_bucketed(monkeypatch, switch, mesh, cfg, opt, params, batches):
+    """Train the per-parameter path, then the packed buckets with ``jaxdp._plan.<switch>``
+    forced off, and check that both ran and that their params are the same bit for bit.
+    Returns ``(bucketed engine, its state, per-parameter norms, bucketed norms)``."""
+    import jaxdp._plan as plan_module
+
+    per_param, s_pp, n_pp = train_on(mesh, cfg, opt, params, batches)
+    monkeypatch.setattr(plan_module, switch, lambda *a: False)
+    bucketed, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
+    assert per_param.plan.strategy.reduces_per_parameter
+    assert not bucketed.plan.strategy.reduces_per_parameter
+    assert len(bucketed.layout.buckets) > 3
+    for a, b in zip(jax.tree.leaves(s_pp.params), jax.tree.leaves(s_b.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    return bucketed, s_b, n_pp, n_b
+
+
 @pytest.mark.parametrize("g", [1, 4])
 @pytest.mark.parametrize(
     "extra",
@@ -217,7 +234,6 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
     """Stage 0 all-reduces each parameter on XLA:CPU and packed buckets on GPUs
     (jaxdp._per_param.per_parameter_all_reduce). The GPU's path runs here too, forced: the
     same elementwise sums, so the same params bit for bit, and both held to the reference."""
-    import jaxdp._plan as plan_module
     from jaxdp import make_mesh
 
     params, batches = data
@@ -226,14 +242,9 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
     mesh = make_mesh(devices=jax.devices()[:dp_size])
     batches = [jax.tree.map(lambda x: x[: 48 if dp_size == 6 else 64], b) for b in batches]
 
-    per_param, s_pp, n_pp = train_on(mesh, cfg, opt, params, batches)
-    monkeypatch.setattr(plan_module, "per_parameter_all_reduce", lambda *a: False)
-    bucketed, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
-    assert per_param.plan.strategy.reduces_per_parameter
-    assert not bucketed.plan.strategy.reduces_per_parameter
-    assert len(bucketed.layout.buckets) > 3
-    for a, b in zip(jax.tree.leaves(s_pp.params), jax.tree.leaves(s_b.params), strict=True):
-        np.testing.assert_array_equal(a, b)
+    bucketed, s_b, n_pp, n_b = per_param_and_bucketed(
+        monkeypatch, "per_parameter_all_reduce", mesh, cfg, opt, params, batches
+    )
     np.testing.assert_allclose(n_pp, n_b, rtol=1e-6)
     if not extra:  # fp32: the reference's tolerance of test_fp32_parity
         ref, ref_norms = reference_train(mse_loss, opt, params, batches)
@@ -261,26 +272,19 @@ def test_stage12_bucketed_path_matches_per_parameter(data, monkeypatch, stage, g
     active (the norm enters the update): the same norm and the same params bit for bit.
     (Over more steps XLA:CPU may emit the two programs' AdamW fusions differently, which moves
     an element of the params by an ulp now and then; the reference tests bound both.)"""
-    import jaxdp._plan as plan_module
     from jaxdp import make_mesh
 
     params, batches = data
     opt = optax.adamw(1e-2, weight_decay=0.1)
     cfg = DDPConfig(zero_stage=stage, num_microbatches=g, bucket_size=64, clip_grad=0.05, **extra)
     mesh = make_mesh(devices=jax.devices()[:dp_size])
-    rows = 8 * dp_size if dp_size != 8 else 64
-    batches = [jax.tree.map(lambda x: x[:rows], b) for b in batches[:1]]
+    batches = [jax.tree.map(lambda x: x[: 8 * dp_size], b) for b in batches[:1]]
 
-    per_param, s_pp, n_pp = train_on(mesh, cfg, opt, params, batches)
-    monkeypatch.setattr(plan_module, "per_parameter_collectives", lambda *a: False)
-    bucketed, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
-    assert per_param.plan.strategy.reduces_per_parameter
-    assert not bucketed.plan.strategy.reduces_per_parameter
-    assert len(bucketed.layout.buckets) > 3
+    _, _, n_pp, n_b = per_param_and_bucketed(
+        monkeypatch, "per_parameter_collectives", mesh, cfg, opt, params, batches
+    )
     np.testing.assert_array_equal(n_pp, n_b)
     assert n_b[0] > 0.05  # clipping was active
-    for a, b in zip(jax.tree.leaves(s_pp.params), jax.tree.leaves(s_b.params), strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("stage,dp_size", [(0, 8), (1, 8), (1, 6), (2, 3)])
