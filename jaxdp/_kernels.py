@@ -263,7 +263,8 @@ class GatherInGrad(_Sharded, Kernel):
     Like stage 2 it runs every micro-batch in the scan (``peel_last = False``): a peeled copy
     of the model would have no end-of-step reduction to overlap, and doubles what XLA compiles.
     On GPUs the loop body's backward gathers need XLA's analytical cost model to stay in
-    order (:func:`jaxdp.xla_compiler_options` sets it for this config). Compiled for 8 H100s
+    order (:func:`jaxdp.xla_compiler_options` sets it for this config, up to jaxlib 0.10: 0.11.2
+    aborts in it, see ``jaxdp._xla_flags.ANALYTICAL_ESTIMATOR_BROKEN``). Compiled for 8 H100s
     (6-layer GPT of width 1024, G = 4, one bucket per layer), the peeled program with XLA's
     default cost model took 1.66 GiB per device and 26.3 CPU seconds to compile; this one
     1.23 GiB and 18.5 s."""

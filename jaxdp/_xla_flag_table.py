@@ -102,7 +102,8 @@ FLAG_TABLE: Final[tuple[FlagSpec, ...]] = (
     FlagSpec(
         "xla_gpu_enable_analytical_latency_estimator",
         (0, 4, 16),
-        note="LHS cost model from XLA's GPU performance model (ZeRO-3 with micro-batches)",
+        note="LHS cost model from XLA's GPU performance model (ZeRO-3 with micro-batches, "
+        "jaxlib < 0.11: 0.11.2 aborts in it)",
     ),
     FlagSpec(
         "xla_gpu_experimental_enable_heuristic_collective_combining",

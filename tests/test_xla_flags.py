@@ -337,6 +337,25 @@ def test_stage3_microbatches_take_the_analytical_cost_model():
         assert (f"--{name}=true" in xla_flags(cfg, dp_size=8)) is on
 
 
+def test_no_analytical_cost_model_where_it_aborts_xla():
+    """jaxlib 0.11.2's GPU compiler aborted the process in the analytical cost model on a ZeRO-3
+    step with micro-batches (H100 and H200): from 0.11 on jaxdp does not ask for it, and stage 3
+    keeps everything else it sets (the first release with it, and the last one seen working)."""
+    name = "xla_gpu_enable_analytical_latency_estimator"
+    cfg = DDPConfig(zero_stage=3, num_microbatches=4, bucket_size=10**6)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0.11.2 is newer than the flag table
+        newer = {v: xla_compiler_options(cfg, v, dp_size=8) for v in ("0.11.0", "0.11.2")}
+    for opts in newer.values():
+        assert name not in opts
+        assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+    for v in ("0.4.16", "0.10.2"):
+        assert xla_compiler_options(cfg, v, dp_size=8)[name] is True
+    assert f"--{name}=true" not in xla_flags(cfg, "0.11.2", dp_size=8)
+
+
 def test_flags_seen_accepted_by_a_newer_jaxlib_draw_no_warning():
     """jaxlib 0.11.2 started a GPU backend with a stage-1 config's six flags (H200, bench_gpu's
     preflight): those draw no warning there; a flag not seen there (stage 3's pipeliner) does,
