@@ -58,7 +58,10 @@ class DDPConfig:
             means one bucket per buffer. A bucket closes once its element count reaches this
             value, counted after the parameter that crosses it.
         overlap_grad_reduce: Keep several buckets so that XLA can overlap their collectives with
-            the backward pass. As in Megatron, ``False`` forces one bucket per buffer.
+            the backward pass. As in Megatron, ``False`` forces one bucket per buffer; with
+            micro-batches it also runs the last one in the loop with the others (stages 0-1
+            otherwise peel it out, so that its backward overlaps the reduction after the loop),
+            so the model compiles once instead of twice.
         average_in_collective: Average inside the collective (``pmean``) instead of pre-scaling
             the gradients by ``1/dp`` and summing.
         grad_reduce_in_fp32: Cast gradients to fp32 before the reduction (fp32 on the wire, fp32

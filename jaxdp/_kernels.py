@@ -73,7 +73,8 @@ class Kernel:
             after the loop, so that the last backward overlaps those collectives. Kernels
             that reduce inside every micro-batch's backward (stages 2-3) set it ``False``: a
             peeled copy of the model has nothing to overlap and doubles the program XLA
-            compiles.
+            compiles. The plan also turns it off where the group has one rank (no
+            collective to overlap); ``__init__``'s ``peel_last`` overrides the class's.
     """
 
     peel_last = True
@@ -92,8 +93,12 @@ class Kernel:
         layout: BucketLayout,
         config: DDPConfig,
         ops: Any,
+        *,
+        peel_last: bool | None = None,
     ):
         self.parts, self.layout, self.config, self.ops = parts, layout, config, ops
+        if peel_last is not None:
+            self.peel_last = peel_last
         self.g = config.num_microbatches
         self.acc_dt = jnp.dtype(config.main_grads_dtype)
 
