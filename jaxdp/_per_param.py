@@ -20,7 +20,8 @@ same sums over the same ranks). The all_to_all modes (``reduce_scatter_with_fp32
 Stage 0 on XLA:CPU all-reduces per parameter the same way (:class:`AllReduceOps`,
 :func:`per_parameter_all_reduce`): there the bucketed path's cost is compile time (a slice of
 a bucket fused into every optimizer update); on GPUs stage 0 keeps its buckets, because
-XLA:GPU copies a combined all-reduce's operands into one buffer and back.
+XLA:GPU copies a combined all-reduce's operands into one buffer and back, except with one
+rank, where there is no all-reduce to combine.
 """
 
 from __future__ import annotations
@@ -60,16 +61,20 @@ def per_parameter_collectives(config: DDPConfig, layout: BucketLayout) -> bool:
     )
 
 
-def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout, platform: str) -> bool:
+def per_parameter_all_reduce(
+    config: DDPConfig, layout: BucketLayout, platform: str, dp_size: int = 2
+) -> bool:
     """Whether a stage-0 engine with params whole on each device all-reduces per parameter:
     a ``psum`` on the wire (the all_to_all modes reduce-scatter explicit, padded buckets), on
-    XLA:CPU only. XLA:GPU runs ``AllReduceContiguous`` on every combined all-reduce (no flag
-    turns it off in jaxlib 0.10.2): it copies the operands into one buffer and back, the very
-    pack and unpack, and not fused into the gradients' producers and the update as jaxdp's
-    are (compiled for 8 H100s, 100.7M GPT: 47.26 gradient volumes per parameter against the
-    bucketed 45.34)."""
+    XLA:CPU, and with one rank anywhere. XLA:GPU runs ``AllReduceContiguous`` on every
+    combined all-reduce (no flag turns it off in jaxlib 0.10.2): it copies the operands into
+    one buffer and back, the very pack and unpack, and not fused into the gradients'
+    producers and the update as jaxdp's are (compiled for 8 H100s, 100.7M GPT: 47.26
+    gradient volumes per parameter against the bucketed 45.34). With one rank there is no
+    collective, and packing buckets would only add copies for XLA to compile (one
+    compile-only H100, 12-layer GPT: 13.2 s against stage 1's 10.2 s)."""
     return (
-        platform == "cpu"
+        (platform == "cpu" or dp_size == 1)
         and layout.kind == "contiguous"
         and not layout.stacked
         and not config.reduce_scatter_with_fp32_accumulation
@@ -173,8 +178,8 @@ class PerParamOps(_PerParameter):
         # XLA:CPU runs collectives one at a time in program order and combines no gathers:
         # the data dependences that order them bucket by bucket on GPUs (one fused OR per
         # parameter, jaxdp._order.after) would only cost compile time there (1,000 leaves:
-        # about 15% of stage 1's XLA compile).
-        self.ordered = self.group.platform != "cpu"
+        # about 15% of stage 1's XLA compile). With one rank there is nothing to gather.
+        self.ordered = self.group.platform != "cpu" and self.group.size > 1
 
     def numels(self, sharded: bool) -> list[int]:
         dp = 1 if sharded else self.layout.dp_size

@@ -182,13 +182,15 @@ def _ops(
     """The gradient / param collectives' operations: nested regions when some parameter is
     split over an axis the step is not manual over (tensor parallelism); per parameter at
     stages 1-2 where :func:`jaxdp._per_param.per_parameter_collectives` allows it, and at
-    stage 0 where :func:`jaxdp._per_param.per_parameter_all_reduce` does (XLA:CPU); else per
-    bucket."""
+    stage 0 where :func:`jaxdp._per_param.per_parameter_all_reduce` does (XLA:CPU, or one
+    rank); else per bucket."""
     if sharding.auto_axes:
         return NestedOps(layout, config, group, sharding)
     if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
         return PerParamOps(layout, config, group, sharding)
-    if config.zero_stage == 0 and per_parameter_all_reduce(config, layout, group.platform):
+    if config.zero_stage == 0 and per_parameter_all_reduce(
+        config, layout, group.platform, group.size
+    ):
         return AllReduceOps(layout, config, group, sharding)
     return PlainOps(layout, config, group, sharding)
 

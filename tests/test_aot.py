@@ -290,3 +290,25 @@ def test_step_lowers_from_eval_shape_state(mesh):
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
     compiled = dp.step.lower(state, batch).compile()
     assert "reduce-scatter-start" in compiled.as_text()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_one_rank_packs_and_orders_nothing(mesh, stage):
+    """With one rank there is no collective: stage 0 all-reduces per parameter (no bucket
+    packing, as on XLA:CPU) and stage 1 does not order its (absent) gathers after the gradient
+    norm, so the program has no bitwise OR; on 8 H100s both stay. Each only added copies for
+    XLA to compile (one compile-only H100, 12-layer GPT: stage 0 13.2 s -> 11.3 s)."""
+    from jaxdp._per_param import AllReduceOps, PerParamOps
+    from jaxdp.aot import h100_mesh
+
+    loss_fn, params, batch = example_mlp(LAYERS, WIDTH, batch=64)
+    cfg = DDPConfig(zero_stage=stage, bucket_size=BUCKET, param_dtype="bfloat16")
+    for m in (h100_mesh(1), mesh):
+        dp = DataParallel(loss_fn, optax.adam(1e-3), cfg, mesh=m)
+        text = compile_step(dp, params, batch).as_text()
+        ops, one = dp.plan.strategy.ops, m.size == 1
+        if stage == 0:
+            assert isinstance(ops, AllReduceOps) is one
+        else:
+            assert isinstance(ops, PerParamOps) and ops.ordered is not one
+            assert (re.search(r" or\(", text) is None) is one
