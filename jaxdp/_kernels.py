@@ -74,7 +74,8 @@ class Kernel:
             that reduce inside every micro-batch's backward (stages 2-3) set it ``False``: a
             peeled copy of the model has nothing to overlap and doubles the program XLA
             compiles. The plan also turns it off where the group has one rank (no
-            collective to overlap); ``__init__``'s ``peel_last`` overrides the class's.
+            collective to overlap) and with ``overlap_grad_reduce=False`` (no overlap
+            wanted); ``__init__``'s ``peel_last`` overrides the class's.
     """
 
     peel_last = True

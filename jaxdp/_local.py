@@ -8,9 +8,10 @@ gather the params inside the differentiated function) and the bucket operations 
 
 1. the kernel prepares the params once (a varying copy, an up-front gather, the shards);
 2. the micro-batches run in a ``lax.scan``, each adding its gradient to the kernel's
-   accumulator; where the kernel reduces at the end over more than one rank (stages 0-1,
-   ``Kernel.peel_last``) the last micro-batch is peeled out of the scan so that its backward
-   pass and the bucket collectives form one straight-line region XLA can overlap;
+   accumulator; where the kernel reduces at the end (stages 0-1, ``Kernel.peel_last``: more
+   than one rank and ``overlap_grad_reduce``) the last micro-batch is peeled out of the scan
+   so that its backward pass and the bucket collectives form one straight-line region XLA
+   can overlap;
 3. the kernel finishes the reduction (one collective per bucket, or the deferred division);
 4. the metrics: mean loss (or per-token loss), aux outputs, the global fp32 gradient norm and,
    with ``check_for_nan_in_grad``, the number of ranks that saw a non-finite gradient per
