@@ -62,7 +62,7 @@ def per_parameter_collectives(config: DDPConfig, layout: BucketLayout) -> bool:
 
 
 def per_parameter_all_reduce(
-    config: DDPConfig, layout: BucketLayout, platform: str, dp_size: int = 2
+    config: DDPConfig, layout: BucketLayout, platform: str, dp_size: int
 ) -> bool:
     """Whether a stage-0 engine with params whole on each device all-reduces per parameter:
     a ``psum`` on the wire (the all_to_all modes reduce-scatter explicit, padded buckets), on

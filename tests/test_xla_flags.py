@@ -347,8 +347,8 @@ def test_no_analytical_cost_model_where_it_aborts_xla():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 0.11.2 is newer than the flag table
-        newer = {v: xla_compiler_options(cfg, v, dp_size=8) for v in ("0.11.0", "0.11.2")}
-    for opts in newer.values():
+        newer = [xla_compiler_options(cfg, v, dp_size=8) for v in ("0.11.0", "0.11.2")]
+    for opts in newer:
         assert name not in opts
         assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
     for v in ("0.4.16", "0.10.2"):
