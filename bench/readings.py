@@ -94,11 +94,25 @@ the end-of-step gathers in `shard_map`s of 100 parameters (Shardy 6.3-7.3 -> 5.6
 40 s compile, within the run-to-run noise of the whole), and ordering every update after the
 gradient norm (it removes the 49 copies of weight matrices XLA:CPU inserts at 100 leaves,
 because nothing orders a backward GEMM's read of a donated weight before the unordered gather
-that overwrites it, but the compile did not measurably change). The `init` program compiles
-in 4.3-5.0 s at 1,000 leaves against 0.9 s for plain `jit`'s `optimizer.init`: the master view
-(1,000 partition-offset slices, 1.6 s), the working params' copies (0.75 s) and the sharded
-optimizer zeros (1.3 s); copying the working params with `jax.device_put(..., may_alias=False)`
-instead took 1.15 s.
+that overwrites it, but the compile did not measurably change).
+
+`init` compiled the whole state as one program: at 1,000 leaves 1.9 s of XLA:CPU compile
+(`init` 3.7-3.8 s in all) against 0.9 s for plain `jit`'s `optimizer.init` (the master view's
+1,000 partition-offset slices 1.6 s, the working params' copies 0.75 s and the sharded
+optimizer zeros 1.3 s, measured apart), and 4.3 s for the 8 compile-only H100s, where plain
+`jit`'s `optimizer.init` compiles in 0.55 s (the H100 rows count neither: both sides' `init`
+is only traced there). Now (`jaxdp._state_build`) a model of 64 or more leaves
+that repeat a few shapes (8 or more leaves per kind on average) gets one small jitted
+conversion per kind of leaf, called once per leaf, and one `jax.jit(optimizer.init)`: the same
+state bit for bit (`tests/test_state_build.py`), compiled for the H100s in 0.74 s instead of
+4.3 s at 1,000 leaves; on XLA:CPU `init` took 2.7 s instead of 3.8 at stage 1 and 2.2 s
+instead of 2.7 at stage 0 (one process each, CPU seconds; what is left: tracing the state
+for its shardings and the optimizer's `init` once more, 0.3 s each, the 2,000 dispatches and
+the 1,000 transfers of the replicated params). At 100 leaves it changed nothing measurable on
+XLA:CPU (0.30-0.35 s either way; 0.28 -> 0.18 s compiled for the H100s); below 64 leaves the
+one program is kept, as its fewer compiles win (16 leaves: 0.2-0.3 s against 0.3-0.6 s).
+Copying the working params with `jax.device_put(..., may_alias=False)` instead of a program
+had taken 1.15 s against 0.75 s.
 
 At 100 leaves on XLA:CPU stage 1 had 659 fusions against plain `jit`'s 556 (measured at
 `ae7786e`). 100 of the extra ones multiplied each reduced gradient shard by 1/dp on its own:
@@ -126,8 +140,8 @@ read through `ManualComputationOp::getBlockArgumentEdgeOwnerShardings`, which re
 shardings of all the body's arguments (`eraseManualAxes`) to return one, so a body with N
 arguments costs N^2 (`InsertExplicitReshardsPass` and `AddDataFlowEdgesPass`, about 1.2 s at
 1,000 leaves, nothing at 100). The step's gradient `shard_map` takes every parameter and its
-gather takes every master shard; splitting the gather would halve that at most. `init` does
-not trace its program twice: `jax.eval_shape` of the
+gather takes every master shard; splitting the gather would halve that at most. On its
+one-program path `init` does not trace its program twice: `jax.eval_shape` of the
 state builder and the `jit` with `out_shardings` share one trace (constraining the outputs
 inside the one `jit` instead left `init` at 5.0-5.4 s at 1,000 leaves, unchanged).
 

@@ -34,6 +34,7 @@ from ._loss import LossCall, check_init_inputs, plain_loss
 from ._mesh import auto_mesh, check_mesh, make_mesh
 from ._plan import Plan, build_plan, check_engine_args
 from ._state import TrainState
+from ._state_build import build_state, per_leaf_plan
 from ._step import _batch_signature, _Step
 from ._update import optimizer_update
 from ._xla_flags import engine_compiler_options
@@ -170,7 +171,11 @@ class DataParallel:
     ) -> TrainState:
         """Build the plan and the sharded :class:`TrainState` from a full params pytree.
 
-        Works under ``jax.eval_shape`` (then nothing is allocated).
+        Works under ``jax.eval_shape`` (then nothing is allocated). The state is built by
+        one compiled program, or, for a model of many leaves that repeat a few shapes (64
+        leaves or more, 8 or more per kind on average), by one small program per kind of
+        leaf and one for the optimizer's ``init``, which compile several times faster at
+        1,000 leaves (``jaxdp._state_build``); the state is the same either way.
 
         Args:
             params: the full trainable params (e.g. linen's ``variables["params"]``).
@@ -217,6 +222,9 @@ class DataParallel:
             rng=None if rng is None else replicated,
         )
         self._abstract = abstract
+        leaf_plan = per_leaf_plan(strategy, params, self._shardings)
+        if leaf_plan is not None:  # one small program per kind of leaf (jaxdp._state_build)
+            return build_state(strategy, leaf_plan, params, self._shardings, model_state, rng)
         return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
 
     def _replicate_uncommitted(self, params: Any) -> Any:
