@@ -40,7 +40,7 @@ def build(stage, dp_size, per_leaf, monkeypatch, params, **init_kw):
     else:
         monkeypatch.setattr(engine_module, "per_leaf_plan", state_build.per_leaf_plan)
     mesh = make_mesh(devices=jax.devices()[:dp_size])
-    cfg = DDPConfig(zero_stage=stage, param_dtype=init_kw.pop("param_dtype", None))
+    cfg = DDPConfig(zero_stage=stage, **init_kw.pop("config", {}))
     dp = DataParallel(loss_fn, optax.adamw(1e-2), cfg, mesh=mesh)
     taken = []
     build_state = state_build.build_state
@@ -85,7 +85,7 @@ def test_per_leaf_init_is_the_one_program_state(stage, dp_size, param_dtype, mon
     extras (far fewer than one per leaf)."""
     host = deep_params(32, seed=stage)
     extras = {"model_state": {"count": np.zeros((3,), np.float32)}, "rng": jax.random.key(7)}
-    kw = {"param_dtype": param_dtype, **extras}
+    kw = {"config": {"param_dtype": param_dtype}, **extras}
     _, ref, took, _ = build(
         stage, dp_size, False, monkeypatch, jax.tree.map(jnp.asarray, host), **kw
     )
@@ -167,3 +167,31 @@ def test_per_leaf_init_on_a_tensor_parallel_mesh(stage, param_dtype, monkeypatch
         assert x.sharding.spec == spec or x.sharding.is_equivalent_to(
             jax.sharding.NamedSharding(mesh, spec), x.ndim
         )
+
+
+@pytest.mark.parametrize(
+    ("stage", "config"),
+    [
+        (1, {"overlap_param_gather": True}),
+        (2, {"overlap_param_gather": True, "param_dtype": "bfloat16"}),
+        (3, {"scan_param_patterns": (("^stack/", 0),)}),
+        (3, {"scan_param_patterns": (("^stack/", 1),), "param_dtype": "bfloat16"}),
+    ],
+)
+def test_per_leaf_init_of_sharded_params_and_layer_stacks(stage, config, monkeypatch):
+    """Working params sharded between steps (``overlap_param_gather``, stage 3) and layer
+    stacks laid out per layer (declared by ``scan_param_patterns``, either stacked axis): the
+    per-leaf path builds the one-program state."""
+    rng = np.random.default_rng(stage)
+    host = deep_params(32, seed=stage)
+    host["stack"] = {
+        "w": rng.standard_normal(
+            (5, 13, 11) if config.get("scan_param_patterns") else (13, 11)
+        ).astype(np.float32)
+    }
+    kw = {"config": config}
+    _, ref, took, _ = build(stage, 6, False, monkeypatch, host, **dict(kw))
+    assert not took
+    _, state, took, _ = build(stage, 6, True, monkeypatch, host, **dict(kw))
+    assert took
+    assert_same_state(state, ref)
