@@ -169,7 +169,16 @@ of each read after the gradient norm, before the first gather) took the kernels 
 26-28 (a step that does not donate its state has 26 too; plain `jit` 16) but made the compile
 slower, not faster: 3.0-3.7 s against 2.3-2.9 s (fresh processes, `83c185b`; the reads' chain
 of ORs made the simplifier iterate 25 times instead of 2, and one stacked read instead still
-cost 0.7 s). Dropped.
+cost 0.7 s). Dropped. The other part of the 32 is the gradient norm, which jaxdp's metrics
+return and the plain step does not compute: counted again at `99130ba` (PTX `.entry`s of
+the step, 100 leaves), stage 1's norm is 7 kernels of its own (a sum of squares per
+parameter in three variants, two sums of those sums, the square root and a scale), the
+GEMMs 9 against the plain step's 5, and the backward's adds and bias sums 7 against 4.
+Plain `jit` returning `optax.global_norm` of its gradients as well has 17 kernels, not
+15: XLA folds the norm's sums into the AdamW update's fusion. At stage 1 it cannot: the
+first gather waits for the norm (so no gather overwrites a donated weight before the
+backward's last read of it, and the gathered buckets are not all alive at once), and XLA
+fuses that wait into each parameter's update, so every update reads the finished norm.
 
 The optimizer probe in `init` (three optimizer steps on small probe tensors, to refuse
 optimizers that would change when sharded) does not run for this AdamW: a chain made only of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import jax
@@ -11,6 +12,23 @@ import optax
 
 from jaxdp import DDPConfig
 from jaxdp.testing import Reference
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """``with counting_compiles() as compiles:``: ``len(compiles)`` is the number of XLA
+    compiles (``backend_compile``) run inside the block."""
+    compiles: list[str] = []
+
+    def listen(event, *args, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.clear_event_listeners()
 
 
 def mlp_params(seed: int = 0, sizes=(6, 16, 16, 4)):

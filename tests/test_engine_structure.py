@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_batch, mlp_params, mse_loss
+from _models import counting_compiles, make_batch, mlp_params, mse_loss
 
 from jaxdp import DataParallel, DDPConfig, make_mesh
 
@@ -239,19 +239,10 @@ def test_init_compiles_one_program(stage, dp_size):
     host = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     mesh = make_mesh(devices=jax.devices()[:dp_size])
     dp = DataParallel(mse_loss, optax.adam(1e-2), DDPConfig(zero_stage=stage), mesh=mesh)
-    compiles = []
-
-    def listen(event, *args, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     params = jax.tree.map(jnp.asarray, host)
     assert not jax.tree.leaves(params)[0].committed
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with counting_compiles() as compiles:
         state = dp.init(params)
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert len(compiles) == 1
     cfg = DDPConfig(zero_stage=stage)
     from_host = DataParallel(mse_loss, optax.adam(1e-2), cfg, mesh=mesh).init(host)

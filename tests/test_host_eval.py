@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import counting_compiles
 from jax import lax
 
 from jaxdp._config import DDPConfig
@@ -162,22 +163,13 @@ def test_probe_compiles_nothing():
     each op of three eager AdamW steps cost about 1 s for 10 parameters. (``check_optimizer``
     does not probe these known optimizers at all; the probe itself is called here.)"""
     params = {f"l{i}": {"w": jnp.ones((4, 6)), "b": jnp.ones((6,))} for i in range(5)}
-    compiles = []
-
-    def listen(event, *args, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with counting_compiles() as compiles:
         for opt in (
             optax.adamw(1e-2),
             optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3)),
             optax.lamb(1e-2),
         ):
             _numeric_check(opt, _layout(params))
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert compiles == []
 
 

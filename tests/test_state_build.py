@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import counting_compiles
 
 import jaxdp._engine as engine_module
 import jaxdp._state_build as state_build
@@ -47,18 +48,9 @@ def build(stage, dp_size, per_leaf, monkeypatch, params, **init_kw):
     monkeypatch.setattr(
         engine_module, "build_state", lambda *a, **k: taken.append(1) or build_state(*a, **k)
     )
-    compiles = []
-
-    def listen(event, *args, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with counting_compiles() as compiles:
         state = dp.init(params, **init_kw)
         jax.block_until_ready(state)
-    finally:
-        jax.monitoring.clear_event_listeners()
     return dp, state, bool(taken), len(compiles)
 
 
