@@ -233,7 +233,8 @@ def test_init_compiles_one_program(stage, dp_size):
     """``init`` compiles its own program and nothing else: uncommitted single-device params
     are replicated onto the mesh first, where ``jit`` would have jax split each array with a
     slicing program compiled per distinct shape. Host (NumPy) params are split on the host,
-    and both give the same state."""
+    and both give the same state. (A model of 64 or more repeated leaves compiles one small
+    program per kind of leaf instead: ``tests/test_state_build.py``.)"""
     shapes = {"a": (40, 24), "b": (24,), "c": (24, 16), "d": (16,)}  # no other test has these
     rng = np.random.default_rng(stage)
     host = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
