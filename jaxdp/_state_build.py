@@ -54,28 +54,23 @@ def _leaf_key(codec: Codec, i: int, x: Any, dtype: Any, sharding: Any) -> tuple[
     return ("interleaved", *base, s.end - s.start, layout.dp_size, dict(layout.stacked).get(i))
 
 
-class _Conversions:
-    """One jitted ``leaf -> codec view`` per kind of leaf."""
+class LeafPlan:
+    """Per leaf, the key of its working-params conversion and of its master conversion
+    (``master`` is empty where the strategy keeps no master weights), and one jitted
+    ``leaf -> codec view`` per key."""
 
-    def __init__(self) -> None:
+    def __init__(self, work: list[tuple[Any, ...]], master: list[tuple[Any, ...]]):
+        self.work, self.master = work, master
         self.jitted: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
 
     def add(self, key: tuple[Any, ...], codec: Codec, i: int, dtype: Any, sharding: Any) -> None:
+        """Leaf ``i``'s conversion as the program of ``key``, unless ``key`` has one."""
         if key not in self.jitted:
 
             def convert(x: Any) -> Any:
                 return codec.leaf_to_view(i, jax.numpy.asarray(x).astype(dtype))
 
             self.jitted[key] = jax.jit(convert, out_shardings=sharding)
-
-
-class LeafPlan:
-    """Per leaf, the key of its working-params conversion and of its master conversion
-    (``master`` is empty where the strategy keeps no master weights)."""
-
-    def __init__(self, work: list[tuple[Any, ...]], master: list[tuple[Any, ...]]):
-        self.work, self.master = work, master
-        self.conversions = _Conversions()
 
 
 def per_leaf_plan(strategy: Any, params: Any, shardings: TrainState) -> LeafPlan | None:
@@ -96,22 +91,20 @@ def per_leaf_plan(strategy: Any, params: Any, shardings: TrainState) -> LeafPlan
         _leaf_key(strategy.params_codec, i, x, d, s)
         for i, (x, d, s) in enumerate(zip(leaves, strategy.work_dtypes, work_sh, strict=True))
     ]
-    master_sh = jax.tree_util.tree_leaves(shardings.master) if strategy.has_master else []
-    master = (
-        [
+    master: list[tuple[Any, ...]] = []
+    if strategy.has_master:
+        master_sh = jax.tree_util.tree_leaves(shardings.master)
+        master = [
             _leaf_key(strategy.master_codec, i, x, strategy.master_dtype, s)
             for i, (x, s) in enumerate(zip(leaves, master_sh, strict=True))
         ]
-        if strategy.has_master
-        else []
-    )
     if len(set(work + master)) * LEAVES_PER_KIND > len(work + master):
         return None
     plan = LeafPlan(work, master)
     for i, k in enumerate(work):
-        plan.conversions.add(k, strategy.params_codec, i, strategy.work_dtypes[i], work_sh[i])
+        plan.add(k, strategy.params_codec, i, strategy.work_dtypes[i], work_sh[i])
     for i, k in enumerate(master):
-        plan.conversions.add(k, strategy.master_codec, i, strategy.master_dtype, master_sh[i])
+        plan.add(k, strategy.master_codec, i, strategy.master_dtype, master_sh[i])
     return plan
 
 
@@ -121,7 +114,7 @@ def build_state(
     """The state ``strategy.init_state`` builds (plus ``model_state`` and ``rng``), built with
     ``plan``'s per-leaf programs and one ``jax.jit(optimizer.init)``."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    jitted = plan.conversions.jitted
+    jitted = plan.jitted
     work = jax.tree_util.tree_unflatten(
         treedef, [jitted[k](x) for k, x in zip(plan.work, leaves, strict=True)]
     )

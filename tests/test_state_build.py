@@ -33,14 +33,14 @@ def loss_fn(params, batch, model_state=None):
     return jnp.mean(h**2)
 
 
-def build(stage, dp_size, per_leaf, monkeypatch, params, **init_kw):
-    """``init``'s state with the per-leaf path allowed or not, and how many programs it
-    compiled."""
+def build(stage, dp_size, per_leaf, monkeypatch, params, *, mesh=None, **init_kw):
+    """``init``'s state with the per-leaf path allowed or not, whether it was taken and how
+    many programs it compiled (on ``mesh``, else on the first ``dp_size`` devices)."""
     if not per_leaf:
         monkeypatch.setattr(engine_module, "per_leaf_plan", lambda *a, **k: None)
     else:
         monkeypatch.setattr(engine_module, "per_leaf_plan", state_build.per_leaf_plan)
-    mesh = make_mesh(devices=jax.devices()[:dp_size])
+    mesh = mesh or make_mesh(devices=jax.devices()[:dp_size])
     cfg = DDPConfig(zero_stage=stage, **init_kw.pop("config", {}))
     dp = DataParallel(loss_fn, optax.adamw(1e-2), cfg, mesh=mesh)
     taken = []
@@ -134,24 +134,9 @@ def test_per_leaf_init_on_a_tensor_parallel_mesh(stage, param_dtype, monkeypatch
     devs = np.asarray(jax.devices()[:8]).reshape(4, 2)
     mesh = jax.sharding.Mesh(devs, ("data", "model"))
     params = {f"block_{i}": place(tp_params(seed=i), mesh) for i in range(blocks)}
-    cfg = DDPConfig(zero_stage=stage, param_dtype=param_dtype)
-
-    def init(per_leaf):
-        monkeypatch.setattr(
-            engine_module,
-            "per_leaf_plan",
-            state_build.per_leaf_plan if per_leaf else (lambda *a, **k: None),
-        )
-        taken = []
-        build_state = state_build.build_state
-        monkeypatch.setattr(
-            engine_module, "build_state", lambda *a, **k: taken.append(1) or build_state(*a, **k)
-        )
-        dp = DataParallel(loss_fn, optax.adamw(1e-2), cfg, mesh=mesh)
-        return dp.init(params), bool(taken)
-
-    ref, _ = init(False)
-    state, took = init(True)
+    kw = {"mesh": mesh, "config": {"param_dtype": param_dtype}}
+    _, ref, _, _ = build(stage, None, False, monkeypatch, params, **kw)
+    _, state, took, _ = build(stage, None, True, monkeypatch, params, **kw)
     assert took == (stage == 0)
     assert_same_state(state, ref)
     specs = {f"block_{i}": SPECS for i in range(blocks)}
