@@ -153,6 +153,7 @@ def compile_peer(
 FP32_FUSED = {"grad_reduce_in_fp32": True, "gradient_accumulation_fusion": True}
 VARIANTS = (
     ("stage 0", {"zero_stage": 0}, "replicated"),
+    ("stage 0, fp32 wire", {"zero_stage": 0, "grad_reduce_in_fp32": True}, "replicated"),
     ("stage 1", {"zero_stage": 1}, "sharded"),
     ("stage 1, fp32 wire", {"zero_stage": 1, "grad_reduce_in_fp32": True}, "sharded"),
     ("stage 2", {"zero_stage": 2}, "sharded"),

@@ -7,7 +7,9 @@ plan picks one per engine; none branches on the stage again:
 * :class:`ReduceAtEnd` (stage 0) / :class:`ScatterAtEnd` (stage 1, stage 2 with one
   micro-batch): micro-batches accumulate into flat buckets of ``main_grads_dtype`` with no
   communication, then one collective per bucket (all-reduce for a contiguous layout,
-  reduce-scatter otherwise; :mod:`jaxdp._reduce`).
+  reduce-scatter otherwise; :mod:`jaxdp._reduce`). With one micro-batch the gradients are
+  packed right before their collective (``ops.pack_later``: a large contiguous bucket takes
+  the collective's casts and scaling gradient by gradient, :class:`jaxdp._reduce.Unpacked`).
 * :class:`ReduceAtEndPerParam` / :class:`ScatterAtEndPerParam`: the same with one fp32
   accumulator per parameter, of the parameter's own shape, packed into buckets once, after the
   last micro-batch (fused with its add). ``acc + dot`` then has the weight gradient's shape, so
@@ -128,6 +130,12 @@ class Kernel:
         """The last micro-batch, ordered after the loop's result ``loss`` where that helps."""
         return last
 
+    def after_reduction(self, parts: Any, red: Any) -> Any:
+        """``parts`` (what the step sums over the group next: the loss, token count, aux and
+        model state), ordered after the reduced gradients ``red`` where the kernel was built
+        with ``order_metrics`` (:class:`ReduceAtEnd`)."""
+        return parts
+
 
 class _Sharded(Kernel):
     """The reduced gradients are this rank's shard view (stages >= 1).
@@ -158,12 +166,24 @@ class _Sharded(Kernel):
 
 
 class ReduceAtEnd(Kernel):
-    """Accumulate local gradients in flat buckets, all-reduce once (module docstring)."""
+    """Accumulate local gradients in flat buckets, all-reduce once (module docstring).
 
-    def __init__(self, *args: Any, gather_first: bool = False, **kw: Any):
+    ``order_metrics`` (stage 0, buckets all-reduced with a ``psum``, more than one rank): the
+    step's metric and model-state sums wait for every bucket's all-reduce
+    (:meth:`after_reduction`). Otherwise XLA's all-reduce combiner may merge the loss's
+    ``psum`` with a bucket's of the same dtype (the last, partly filled bucket is under the
+    combine threshold), and XLA:GPU copies the operands of a combined all-reduce into one
+    buffer and back: two more passes over that bucket for one scalar (compiled for 8 H100s,
+    fp32 wire: the 100.7M GPT's 17.3M-element bucket, and all of a 100-leaf MLP's gradients).
+    """
+
+    def __init__(
+        self, *args: Any, gather_first: bool = False, order_metrics: bool = False, **kw: Any
+    ):
         super().__init__(*args, **kw)
         # overlap_param_gather: the params arrive as shards; gather them once, up front.
         self.source = self.ops.gather_full if gather_first else (lambda p: p)
+        self.order_metrics = order_metrics
 
     def prepare(self, params: Any, mb0: Any) -> Any:
         # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
@@ -181,6 +201,8 @@ class ReduceAtEnd(Kernel):
         return self.ops.zeros(self.ops.numels(sharded=False), self.acc_dt)
 
     def _add(self, acc: Any, grads: Any) -> Any:
+        if acc is None and self.g == 1:
+            return grads  # packed by finish, with the collective's casts and scaling
         flat = self.ops.pack(grads, self.acc_dt)
         return flat if acc is None else tuple(a + f for a, f in zip(acc, flat, strict=True))
 
@@ -193,10 +215,15 @@ class ReduceAtEnd(Kernel):
         return out, acc, ok
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
+        if self.g == 1:  # the gradients themselves: the elementwise work, then the pack
+            return self._collective(self.ops.pack_later(acc, self.acc_dt))
         return self._collective(acc)
 
     def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
         return self.ops.reduce(packed, self.g)
+
+    def after_reduction(self, parts: Any, red: Any) -> Any:
+        return after(parts, red) if self.order_metrics else parts
 
     def order_last(self, last: Any, loss: Any) -> Any:
         # The last micro-batch does not depend on the scan, and XLA's scheduler hoists its
@@ -229,7 +256,7 @@ class _PerParamAccumulator(ReduceAtEnd):
         return jax.tree.map(lambda a, g: a + g.astype(self.acc_dt), acc, grads)
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        return super().finish(self.ops.pack(acc, self.acc_dt))
+        return self._collective(self.ops.pack_later(acc, self.acc_dt))
 
 
 class ReduceAtEndPerParam(_PerParamAccumulator):

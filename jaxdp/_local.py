@@ -128,6 +128,7 @@ def local_gradients(
         warn_per_example_aux(aux_sum, mb0)
 
     red = tuple(r.astype(jnp.float32) for r in kernel.finish(acc))
+    loss, ntok, aux_sum, state = kernel.after_reduction((loss, ntok, aux_sum, state), red)
     metrics: dict[str, Any] = {}
     if cfg.calculate_per_token_loss:
         tokens = metric_sum(ntok, cfg, axis)

@@ -29,7 +29,15 @@ from ._config import DDPConfig
 from ._gather import gather_buckets, gather_full
 from ._group import ReductionGroup
 from ._layout import BucketLayout
-from ._reduce import _divided, _float_for_sum, _reduce_one, metric_sum
+from ._reduce import (
+    UNPACKED_OVER,
+    Unpacked,
+    _divided,
+    _float_for_sum,
+    _reduce_one,
+    _then,
+    metric_sum,
+)
 from ._sharding import ShardingPlan
 
 __all__ = ["NestedOps", "PlainOps"]
@@ -99,13 +107,29 @@ class PlainOps:
     def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
         return self.layout.pack(grads, dtype=dtype)
 
+    def pack_later(self, grads: Any, dtype: Any) -> tuple[Any, ...]:
+        """:meth:`pack` for :meth:`reduce`: a contiguous bucket of more than
+        :data:`jaxdp._reduce.UNPACKED_OVER` parameters stays :class:`jaxdp._reduce.Unpacked`,
+        so the collective's elementwise work is done on each gradient before it is packed."""
+        lay = self.layout
+        if lay.kind != "contiguous":
+            return self.pack(grads, dtype)
+        leaves = lay._check_tree(grads, "pack")
+        return tuple(
+            Unpacked(lay, b, leaves, dtype)
+            if len(b.slots) > UNPACKED_OVER
+            else lay._pack_contiguous(b, leaves, jnp.dtype(dtype))
+            for b in lay.buckets
+        )
+
     def _reduce(
-        self, flat: Sequence[jax.Array], g: int, deferred: bool
+        self, flat: Sequence[Any], g: int, deferred: bool
     ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
         out, divs = [], []
         for x, b, grp in zip(flat, self.reduce_buckets, self.reduce_groups, strict=True):
             if grp.prediv != 1 and not self.config.calculate_per_token_loss:
-                x = _divided(x, grp.prediv, _float_for_sum(x.dtype))
+                d = grp.prediv
+                x = _then(x, lambda v, d=d: _divided(v, d, _float_for_sum(v.dtype)))
             red, div = _reduce_one(
                 x, b, self.layout, self.config, g, deferred, axis=grp.axes, dp=grp.size
             )
@@ -192,6 +216,9 @@ class NestedOps(PlainOps):
             lambda g: PlainOps.pack(self, g, dtype), (self.leaf_specs,), self.bucket_specs
         )
         return tuple(f(grads))
+
+    def pack_later(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
+        return self.pack(grads, dtype)  # the buckets cross the nested regions' boundary
 
     def reduce_microbatch(
         self, flat: Sequence[jax.Array], g: int

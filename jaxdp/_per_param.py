@@ -119,6 +119,9 @@ class _PerParameter(PlainOps):
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
         self.norm_per_parameter = norm_per_parameter(self.group.platform, self.group.size)
 
+    def pack_later(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
+        return self.pack(grads, dtype)  # one array per parameter: its work fuses into it
+
     def square_norm(
         self, red: Sequence[jax.Array], divisors: Sequence[int] | None = None
     ) -> jax.Array:

@@ -237,8 +237,17 @@ def _strategy(
     peel = group.size > 1 and config.overlap_grad_reduce
     kernel: Callable[..., Any]
     if stage == 0:
+        # Bucket all-reduces with a psum on the wire: the metric sums wait for them, so that
+        # XLA does not combine a scalar into a bucket's all-reduce (ReduceAtEnd).
+        psum_buckets = not (
+            isinstance(common["ops"], AllReduceOps)
+            or config.reduce_scatter_with_fp32_accumulation
+            or config.deterministic_reduction
+        )
         kernel = functools.partial(
-            ReduceAtEndPerParam if per_param_acc else ReduceAtEnd, peel_last=peel
+            ReduceAtEndPerParam if per_param_acc else ReduceAtEnd,
+            peel_last=peel,
+            order_metrics=psum_buckets and group.size > 1,
         )
         return Replicated(
             kernel=kernel,

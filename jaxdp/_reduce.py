@@ -139,8 +139,75 @@ def _divided(x: jax.Array, divisor: int, dtype: Any) -> jax.Array:
     return x / (x * np.asarray(0, dtype) + np.asarray(divisor, dtype))
 
 
+#: A contiguous bucket of more than this many parameters is reduced from its
+#: :class:`Unpacked` gradients. Below it XLA:GPU fuses the elementwise work into the
+#: concatenation that packs the bucket, and doing it per gradient instead only moves it into
+#: the gradients' producers, where it can cost a copy (the 100.7M GPT, about 50 parameters per
+#: bucket: +0.25 gradient volumes per step); XLA:GPU caps a fusion's operands and outputs (96
+#: in jaxlib 0.10), and a 100-leaf MLP's bucket is past it (measured: 80 fused, 94 not).
+UNPACKED_OVER = 64
+
+
+class Unpacked:
+    """One contiguous bucket's gradients, not packed yet: :func:`_reduce_one` takes it in place
+    of the packed bucket and applies its elementwise work before the collective (the cast to
+    the wire dtype, the pre-scaling) to each gradient, then packs the results.
+
+    Elementwise, ``f(concatenate(g))`` and ``concatenate(f(g_i))`` are the same bits, but XLA
+    does not compile them alike: ``f`` of each gradient fuses into that gradient's producer
+    (or into the concatenation), while ``f`` of a concatenation of about 90 or more arrays
+    stays a pass of its own over the packed bucket (XLA:GPU fuses no consumer into it). Compiled
+    for 8 H100s, a 100-leaf MLP at stage 0 with an fp32 wire: 2 gradient volumes per step of
+    scaling by 1/dp, gone when the gradients are scaled one by one.
+
+    Args:
+        layout: the (contiguous) layout ``bucket`` belongs to.
+        bucket: the bucket.
+        leaves: every gradient of the layout, in leaf order (the bucket takes its slots').
+        dtype: what the gradients are cast to before anything else (the accumulator dtype).
+        fn: elementwise work queued so far (``None``: none).
+    """
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        bucket: Bucket,
+        leaves: Sequence[Any],
+        dtype: Any,
+        fn: Any = None,
+    ):
+        self.layout, self.bucket, self.leaves = layout, bucket, leaves
+        self.dtype, self.fn = jnp.dtype(dtype), fn
+        self.shape = (bucket.numel,)
+
+    def map(self, fn: Any) -> Unpacked:
+        """``fn`` (elementwise, zero to zero) queued after what is queued already."""
+        first = self.fn
+        both = fn if first is None else (lambda v: fn(first(v)))
+        return Unpacked(self.layout, self.bucket, self.leaves, self.dtype, both)
+
+    def packed(self) -> jax.Array:
+        """The bucket: each gradient cast, put through the queued work, then packed (gaps and
+        padding zero)."""
+        fn = self.fn or (lambda v: v)
+        pieces = {i: fn(jnp.ravel(self.leaves[i]).astype(self.dtype)) for i in self.bucket.slots}
+        dt = next(iter(pieces.values())).dtype
+        return self.layout._fill(self.bucket, pieces, dt)
+
+
+def _apply(x: Any, fn: Any) -> jax.Array:
+    """``fn(x)`` for a packed bucket; for an :class:`Unpacked` one, ``fn`` of each gradient,
+    packed."""
+    return x.map(fn).packed() if isinstance(x, Unpacked) else fn(x)
+
+
+def _then(x: Any, fn: Any) -> Any:
+    """``fn(x)``, or ``fn`` queued on an :class:`Unpacked` bucket (still not packed)."""
+    return x.map(fn) if isinstance(x, Unpacked) else fn(x)
+
+
 def _reduce_one(
-    x: jax.Array,
+    x: Any,
     b: Bucket,
     layout: BucketLayout,
     config: DDPConfig,
@@ -151,6 +218,9 @@ def _reduce_one(
     dp: int | None = None,
 ) -> tuple[jax.Array, int]:
     """One bucket's collective. Every scaling is done in fp32 (or wider) before any rounding.
+
+    ``x``: the packed bucket, or its :class:`Unpacked` gradients (then the elementwise work
+    before the collective is done gradient by gradient, and they are packed after it).
 
     ``axis`` / ``dp`` (default ``config.data_axis`` / ``layout.dp_size``) name the bucket's
     reduction group when it is not the data axis (:class:`jaxdp._group.BucketGroup`).
@@ -180,7 +250,7 @@ def _reduce_one(
         # the wire dtype (Megatron pre-scales by 1/dp in bf16, inexact unless dp = 2**k).
         n = x.shape[0]
         pad = (-n) % dp  # contiguous (stage-0) buckets need not divide by dp
-        sent = _divided(x, 1 if deferred else g_div, acc).astype(wire)
+        sent = _apply(x, lambda v: _divided(v, 1 if deferred else g_div, acc).astype(wire))
         if pad:
             sent = jnp.pad(sent, (0, pad))
         total = ordered_reduce_scatter(sent, axis, dp, acc)
@@ -195,7 +265,7 @@ def _reduce_one(
     if wire.itemsize >= 4:
         # An fp32 (or wider) wire: cast first (exact for bf16 gradients), sum unscaled, then
         # divide once by G * dp. No rounding of the gradients happens before the sum.
-        x = x.astype(wire)
+        x = _then(x, lambda v: v.astype(wire))
         div = g_div * dp_div
         if not scatter and div & (div - 1) == 0:
             # An all-reduce and a power of two: scaling before the sum rounds exactly as after
@@ -203,7 +273,8 @@ def _reduce_one(
             # a pass of its own over the reduced gradient, which the norm and the update both
             # read. (A reduce-scatter's shard is scaled after: 1/dp of the elements, fused
             # into the update.)
-            return jax.lax.psum(_divided(x, div, wire), axis), 1
+            return jax.lax.psum(_apply(x, lambda v: _divided(v, div, wire)), axis), 1
+        x = _apply(x, lambda v: v)
         out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
         if deferred and scatter:
             return out, div
@@ -221,8 +292,8 @@ def _reduce_one(
         # 3). Not with micro-batches: there each one's shard is scaled before it is
         # accumulated, which kept the loop's buffers smaller (ZeRO-3, G = 4, 8 H100s: 3.70
         # against 3.82 bytes per parameter unscaled).
-        return _psum_scatter(x.astype(wire), axis), pre
-    x = _divided(x, pre, acc).astype(wire)
+        return _psum_scatter(_apply(x, lambda v: v.astype(wire)), axis), pre
+    x = _apply(x, lambda v: _divided(v, pre, acc).astype(wire))
     out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
     if avg:
         out = _divided(out, dp, acc).astype(wire)

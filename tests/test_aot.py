@@ -313,3 +313,31 @@ def test_one_rank_packs_and_orders_nothing(mesh, stage):
         else:
             assert isinstance(ops, PerParamOps) and ops.ordered is not one
             assert (re.search(r" or\(", text) is None) is one
+
+
+@pytest.mark.parametrize(
+    ("extra", "wire"),
+    [({}, "f32"), ({"param_dtype": "bfloat16", "grad_reduce_in_fp32": True}, "f32")],
+    ids=["fp32", "fp32-wire"],
+)
+def test_stage0_bucket_is_written_once(mesh, extra, wire):
+    """Stage 0 on GPUs packs its buckets, and a bucket of 100 parameters (one bucket: the
+    default bucket size) is written once, by the pack, on its way to its all-reduce:
+
+    * the 1/dp pre-scaling is done gradient by gradient before the pack
+      (``jaxdp._reduce.Unpacked``): XLA:GPU fuses nothing into a concatenation of that many
+      operands, and scaled afterwards the bucket was read and written once more;
+    * the loss's ``psum`` waits for the bucket's all-reduce (``ReduceAtEnd.order_metrics``),
+      so XLA does not combine the two, which XLA:GPU does by copying both into one buffer and
+      the sum back out (``bucket + 1`` elements on the wire)."""
+    loss_fn, params, batch = example_mlp(50, 64, batch=64)
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), DDPConfig(zero_stage=0, **extra), mesh=mesh)
+    text = compile_step(dp, params, batch).as_text()
+    (bucket,) = dp.layout.buckets
+    assert len(bucket.slots) == 100
+    report = schedule_report(text)
+    sizes = sorted(c.elements for c in report.of_kind("all-reduce"))
+    assert sizes[-1] == bucket.numel and all(n < 16 for n in sizes[:-1]), report
+    entry = text[text.index("\nENTRY") :]
+    writers = re.findall(rf"= {wire}\[{bucket.numel}\]\S* (\w+)\(", entry)
+    assert writers.count("fusion") == 1, writers  # the pack (concatenation) only

@@ -252,6 +252,76 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
         np.testing.assert_allclose(n_b, ref_norms, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("g", "extra", "dp_size"),
+    [
+        (1, {}, 8),
+        (3, {}, 3),
+        (1, {"average_in_collective": True}, 6),
+        (1, {"param_dtype": "bfloat16"}, 6),
+        (3, {"param_dtype": "bfloat16"}, 8),
+        (1, {"param_dtype": "bfloat16", "grad_reduce_in_fp32": True}, 3),
+        (3, {"param_dtype": "bfloat16", "deterministic_reduction": True}, 6),
+        (1, {"calculate_per_token_loss": True}, 8),
+    ],
+    ids=["fp32-1-8", "fp32-3-3", "avg-1-6", "bf16-1-6", "bf16-3-8", "fp32-wire-1-3",
+         "ordered-3-6", "per-token-1-8"],
+)  # fmt: skip
+def test_stage0_unpacked_buckets_match_packed(data, monkeypatch, g, extra, dp_size):
+    """Stage 0's packed buckets (GPUs) take the collective's elementwise work (the cast to the
+    wire dtype, the pre-scaling) gradient by gradient before packing where a bucket holds more
+    than ``jaxdp._reduce.UNPACKED_OVER`` parameters (``jaxdp._reduce.Unpacked``). Forced for
+    every bucket here: the same params and norms bit for bit as packing first, in every wire
+    mode, and held to the reference."""
+    import jaxdp._nested as nested
+    import jaxdp._plan as plan_module
+    from jaxdp import make_mesh
+    from jaxdp._reduce import Unpacked
+
+    params, batches = data
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    cfg = DDPConfig(zero_stage=0, num_microbatches=g, bucket_size=64, **extra)
+    mesh = make_mesh(devices=jax.devices()[:dp_size])
+    n = GLOBAL_BATCH // (g * dp_size) * g * dp_size
+    batches = [jax.tree.map(lambda x: x[:n], b) for b in batches[:4]]
+    loss = mse_loss
+    if cfg.calculate_per_token_loss:
+
+        def loss(p, b):  # (sum, count): normalised by the global count
+            n = b["x"].shape[0]
+            return mse_loss(p, b) * n, jnp.asarray(n, jnp.float32)
+
+    monkeypatch.setattr(plan_module, "per_parameter_all_reduce", lambda *a: False)
+    packed_seen, unpacked_seen = [], []
+    real = nested.PlainOps.pack_later
+
+    def spy(self, grads, dtype):
+        out = real(self, grads, dtype)
+        (unpacked_seen if any(isinstance(x, Unpacked) for x in out) else packed_seen).append(1)
+        return out
+
+    monkeypatch.setattr(nested.PlainOps, "pack_later", spy)
+
+    def train():
+        dp = DataParallel(loss, opt, cfg, mesh=mesh)
+        state, norms = train_steps(dp, dp.init(params), batches)
+        return dp, state, norms
+
+    packed, s_p, n_p = train()
+    monkeypatch.setattr(nested, "UNPACKED_OVER", 0)
+    unpacked, s_u, n_u = train()
+    assert packed_seen and unpacked_seen
+    assert len(packed.layout.buckets) > 3
+    assert not unpacked.plan.strategy.reduces_per_parameter
+    for a, b in zip(jax.tree.leaves(s_p), jax.tree.leaves(s_u), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(n_p, n_u)
+    if "param_dtype" not in extra:  # fp32: the reference's tolerance of test_fp32_parity
+        ref, ref_norms = reference_train(mse_loss, opt, params, batches)
+        assert max_rel_err(unpacked.params(s_u), ref) < 1e-6
+        np.testing.assert_allclose(n_u, ref_norms, rtol=1e-5)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize(
     ("g", "extra", "dp_size"),
