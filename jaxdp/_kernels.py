@@ -168,8 +168,8 @@ class _Sharded(Kernel):
 class ReduceAtEnd(Kernel):
     """Accumulate local gradients in flat buckets, all-reduce once (module docstring).
 
-    ``order_metrics`` (stage 0, buckets all-reduced with a ``psum``, more than one rank): the
-    step's metric and model-state sums wait for every bucket's all-reduce
+    ``order_metrics`` (stage 0, buckets of whole parameters all-reduced with a ``psum``, more
+    than one rank): the step's metric and model-state sums wait for every bucket's all-reduce
     (:meth:`after_reduction`). Otherwise XLA's all-reduce combiner may merge the loss's
     ``psum`` with a bucket's of the same dtype (the last, partly filled bucket is under the
     combine threshold), and XLA:GPU copies the operands of a combined all-reduce into one

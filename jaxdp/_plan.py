@@ -237,12 +237,12 @@ def _strategy(
     peel = group.size > 1 and config.overlap_grad_reduce
     kernel: Callable[..., Any]
     if stage == 0:
-        # Bucket all-reduces with a psum on the wire: the metric sums wait for them, so that
-        # XLA does not combine a scalar into a bucket's all-reduce (ReduceAtEnd).
-        psum_buckets = not (
-            isinstance(common["ops"], AllReduceOps)
-            or config.reduce_scatter_with_fp32_accumulation
-            or config.deterministic_reduction
+        # Whole-parameter buckets all-reduced with a psum: the metric sums wait for them, so
+        # that XLA does not combine a scalar into a bucket's all-reduce (ReduceAtEnd). Not
+        # tensor-parallel buckets (NestedOps): one element of a bucket split over the model
+        # axes would have to be sent to the other model ranks to be waited for.
+        psum_buckets = type(common["ops"]) is PlainOps and not (
+            config.reduce_scatter_with_fp32_accumulation or config.deterministic_reduction
         )
         kernel = functools.partial(
             ReduceAtEndPerParam if per_param_acc else ReduceAtEnd,

@@ -335,6 +335,7 @@ def test_stage0_bucket_is_written_once(mesh, extra, wire):
     text = compile_step(dp, params, batch).as_text()
     (bucket,) = dp.layout.buckets
     assert len(bucket.slots) == 100
+    assert dp.plan.strategy.make_kernel.keywords["order_metrics"] is True
     report = schedule_report(text)
     sizes = sorted(c.elements for c in report.of_kind("all-reduce"))
     assert sizes[-1] == bucket.numel and all(n < 16 for n in sizes[:-1]), report

@@ -313,6 +313,9 @@ def test_stage0_unpacked_buckets_match_packed(data, monkeypatch, g, extra, dp_si
     assert packed_seen and unpacked_seen
     assert len(packed.layout.buckets) > 3
     assert not unpacked.plan.strategy.reduces_per_parameter
+    # the metric sums wait for the bucket all-reduces (not in the all_to_all mode)
+    ordered = unpacked.plan.strategy.make_kernel.keywords["order_metrics"]
+    assert ordered is ("deterministic_reduction" not in extra)
     for a, b in zip(jax.tree.leaves(s_p), jax.tree.leaves(s_u), strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(n_p, n_u)
