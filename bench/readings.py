@@ -335,6 +335,7 @@ def _stage0_wire(rows: dict[str, Any]) -> str:
     if not s0:
         return ""
     return f"""
+
 Stage 0 with an fp32 wire ({s0["vs peer"]:+.2f} against replicated): its loss and other metric
 sums wait for the buckets' all-reduces (`ReduceAtEnd.order_metrics`). Before they did (measured
 by hand at `80aa235`), XLA's combiner merged the loss's `psum` into the all-reduce of the
