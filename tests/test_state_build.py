@@ -172,3 +172,41 @@ def test_per_leaf_init_of_sharded_params_and_layer_stacks(stage, config, monkeyp
     _, state, took, _ = build(stage, 6, True, monkeypatch, host, **dict(kw))
     assert took
     assert_same_state(state, ref)
+
+
+def _keeps_params():
+    """SGD chained with a transformation whose state holds the params it was initialised
+    with: the optimizer state refers to the very arrays ``init`` hands it."""
+    hold = optax.GradientTransformation(lambda p: {"p0": p}, lambda g, s, p=None: (g, s))
+    return optax.chain(optax.sgd(1e-2), hold)
+
+
+@pytest.mark.parametrize("layers", [4, 32], ids=["one-program", "per-leaf"])
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("placed", ["uncommitted", "replicated", "host"])
+def test_donated_steps_leave_the_callers_params_alone(stage, layers, placed):
+    """The state never shares a buffer with an array the caller holds: after two donated
+    steps the params given to ``init`` are all readable and unchanged, whether they were
+    uncommitted device arrays (what ``model.init`` returns; jax's ``device_put`` of one to a
+    replicated sharding shares its buffer on that device, even with ``may_alias=False``),
+    already replicated on the mesh, or NumPy, and also when the optimizer's state holds the
+    params themselves."""
+    host = deep_params(layers, seed=layers)
+    mesh = make_mesh()
+    if placed == "host":
+        params = host
+    elif placed == "replicated":
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        params = jax.device_put(host, rep)
+    else:
+        params = jax.tree.map(jnp.asarray, host)
+    dp = DataParallel(loss_fn, _keeps_params(), DDPConfig(zero_stage=stage), mesh=mesh)
+    assert dp.donate
+    state = dp.init(params)
+    batch = dp.shard_batch({"x": np.ones((16, 13), np.float32)})
+    for _ in range(2):
+        state, _ = dp.step(state, batch)
+    jax.block_until_ready(state)
+    for x, ref in zip(jax.tree.leaves(params), jax.tree.leaves(host), strict=True):
+        assert not getattr(x, "is_deleted", lambda: False)()
+        np.testing.assert_array_equal(np.asarray(x), ref)
