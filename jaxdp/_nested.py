@@ -52,6 +52,12 @@ class PlainOps:
     step is not manual over): the layout's own methods, each bucket reduced over its group
     (:meth:`jaxdp._group.ReductionGroup.bucket_groups`)."""
 
+    #: Buckets of whole parameters are packed here, in the step's own region (not in nested
+    #: tensor-parallel regions, not one array per parameter): what :meth:`pack_later` may
+    #: leave unpacked, and what stage 0's metric ordering waits for
+    #: (``jaxdp._kernels.ReduceAtEnd``, ``order_metrics``).
+    packs_whole_buckets = True
+
     def __init__(
         self, layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
     ):
@@ -108,11 +114,12 @@ class PlainOps:
         return self.layout.pack(grads, dtype=dtype)
 
     def pack_later(self, grads: Any, dtype: Any) -> tuple[Any, ...]:
-        """:meth:`pack` for :meth:`reduce`: a contiguous bucket of more than
-        :data:`jaxdp._reduce.UNPACKED_OVER` parameters stays :class:`jaxdp._reduce.Unpacked`,
-        so the collective's elementwise work is done on each gradient before it is packed."""
+        """:meth:`pack` for :meth:`reduce`: where :attr:`packs_whole_buckets`, a contiguous
+        bucket of more than :data:`jaxdp._reduce.UNPACKED_OVER` parameters stays
+        :class:`jaxdp._reduce.Unpacked`, so the collective's elementwise work is done on each
+        gradient before it is packed."""
         lay = self.layout
-        if lay.kind != "contiguous":
+        if not self.packs_whole_buckets or lay.kind != "contiguous":
             return self.pack(grads, dtype)
         leaves = lay._check_tree(grads, "pack")
         return tuple(
@@ -179,6 +186,8 @@ class NestedOps(PlainOps):
     """The same operations, each in a ``shard_map`` nested inside the step's data-manual one
     and manual over the parameters' other axes (module docstring)."""
 
+    packs_whole_buckets = False  # the buckets cross the nested regions' boundary
+
     def __init__(
         self, layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
     ):
@@ -216,9 +225,6 @@ class NestedOps(PlainOps):
             lambda g: PlainOps.pack(self, g, dtype), (self.leaf_specs,), self.bucket_specs
         )
         return tuple(f(grads))
-
-    def pack_later(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
-        return self.pack(grads, dtype)  # the buckets cross the nested regions' boundary
 
     def reduce_microbatch(
         self, flat: Sequence[jax.Array], g: int

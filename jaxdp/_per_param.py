@@ -112,15 +112,14 @@ class _PerParameter(PlainOps):
       launches (one compile-only H100, 128 leaves: 1.19x the bare step's 381, against 1.03x).
     """
 
+    packs_whole_buckets = False  # one array per parameter: the work before its collective fuses
+
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         lay = self.layout
         self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
         self.norm_per_parameter = norm_per_parameter(self.group.platform, self.group.size)
-
-    def pack_later(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
-        return self.pack(grads, dtype)  # one array per parameter: its work fuses into it
 
     def square_norm(
         self, red: Sequence[jax.Array], divisors: Sequence[int] | None = None

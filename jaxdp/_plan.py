@@ -241,7 +241,7 @@ def _strategy(
         # that XLA does not combine a scalar into a bucket's all-reduce (ReduceAtEnd). Not
         # tensor-parallel buckets (NestedOps): one element of a bucket split over the model
         # axes would have to be sent to the other model ranks to be waited for.
-        psum_buckets = type(common["ops"]) is PlainOps and not (
+        psum_buckets = common["ops"].packs_whole_buckets and not (
             config.reduce_scatter_with_fp32_accumulation or config.deterministic_reduction
         )
         kernel = functools.partial(
