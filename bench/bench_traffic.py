@@ -12,7 +12,8 @@ compiled as:
   all-reduces the gradients), **sharded** (master and Adam state sharded ``P("data")``, the
   bf16 params replicated where they are used: ZeRO-1's traffic, and a whole step's params
   alive at once), and **sharded + remat** (the same with the loss under ``jax.checkpoint``
-  saving GEMM outputs only, so the backward pass gathers the params again: FSDP).
+  with stage 3's default rule, ``bench_zero3.gspmd_fsdp_step``, so the backward pass gathers
+  the params again: FSDP).
 
 Read from each program (``bench_remat.traffic``): the bytes read and written by every op that
 is neither a GEMM nor a collective (a fusion that only slices a 1-D input, or a concatenation

@@ -40,6 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from jaxdp import aot
+from jaxdp._dot_operands import name_batched_dot_operands
+from jaxdp._remat import gemm_policy
 
 N = 8
 
@@ -56,19 +58,24 @@ def gspmd_fsdp_step(loss_fn: Any, optimizer: Any, g: int, mesh: Any, *, remat: b
 
     Each bf16 param is constrained to be replicated where it is used (the all-gather of FSDP);
     the partitioner makes the transpose of that a reduce-scatter of its gradient. With
-    ``remat`` the loss runs under ``jax.checkpoint`` saving GEMM outputs only, so the backward
-    pass gathers the params again.
+    ``remat`` the loss runs under ``jax.checkpoint`` with the rule of stage 3's default
+    ``remat_policy="gemm"`` (:func:`jaxdp._remat.gemm_policy`: GEMM and fused-attention
+    outputs, and the operands of batched dots, named by
+    :func:`jaxdp._dot_operands.name_batched_dot_operands`), so the backward pass gathers the
+    params again and recomputes what stage 3 recomputes.
     """
     rep = NamedSharding(mesh, P())
+
+    inner = name_batched_dot_operands(loss_fn) if remat else loss_fn
 
     def lf(m: Any, mb: Any) -> jax.Array:
         work = jax.tree.map(
             lambda w: jax.lax.with_sharding_constraint(w.astype(jnp.bfloat16), rep), m
         )
-        return loss_fn(work, mb)
+        return inner(work, mb)
 
     if remat:
-        lf = jax.checkpoint(lf, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        lf = jax.checkpoint(lf, policy=gemm_policy)
 
     def step(master: Any, opt_state: Any, batch: Any) -> Any:
         mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)

@@ -153,24 +153,30 @@ class DDPConfig:
             stack) saves for the backward pass. No policy saves a gathered parameter or a
             slice, reshape, cast or transpose of one, so the backward pass gathers the params
             again. ``"gemm"`` (default): the outputs of ``dot_general`` without batch
-            dimensions (the GEMMs of dense layers and attention projections) and of cuDNN
+            dimensions (the GEMMs of dense layers and attention projections), of cuDNN
             fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``: its
-            output and softmax statistics, no ``T x T`` scores); norms, activations, softmax
-            and XLA's batched attention dots are recomputed, so XLA fuses them into their
-            consumers instead of writing them out. ``"dots"``: also every batched
-            ``dot_general`` (XLA's attention scores and context) and convolution: with XLA's
-            attention every layer's ``[batch, heads, T, T]`` scores are kept.
+            output and softmax statistics, no ``T x T`` scores), and the operands of batched
+            ``dot_general`` s that are not params: with XLA's attention, each layer's
+            queries, keys, values and softmax probabilities (stage 3 names them in the loss,
+            :mod:`jaxdp._dot_operands`, so the backward pass does not rebuild them from the
+            projections); norms and activations are recomputed, so XLA fuses them into their
+            consumers instead of writing them out. ``"dots"``: also the outputs of every
+            batched ``dot_general`` (XLA's attention scores and context) and convolution.
             ``"everything"``: every intermediate but the gathered params (jaxdp before this
             field). ``"nothing"``: recompute the whole forward pass. Compiled for 8 H100s
             (``bench/bench_remat.py``, a 100.7M-parameter GPT, 12 layers of width 832,
-            context 512, XLA's attention, ``G = 1``), per device: ``"gemm"`` 2.88 GiB and
-            16.3 GiB of non-GEMM memory traffic, ``"everything"`` 6.10 GiB and 27.6 GiB,
-            ``"nothing"`` 3.92 GiB, ``"dots"`` 2.56 GiB (but 4.37 GiB against ``"gemm"``'s
-            3.94 at context 1024, same tokens). On one H100 at dp = 1 (a 303M GPT, cuDNN
-            attention, blocks unrolled, ``G = 1``) the step took 1.040x the bare step with
-            the attention output saved, 1.070x with it recomputed (``"gemm"`` before it kept
-            fused attention), at 0.81x the bare step's memory; saving every intermediate had
-            cost 1.26x.
+            context 512, XLA's attention, ``G = 1``), per device: ``"gemm"`` 2.83 GiB and
+            13.2 GiB of non-GEMM memory traffic (2.88 and 16.3 before it kept the batched
+            dots' operands; the GSPMD ZeRO-1 peer, nothing recomputed: 3.88 and 14.8),
+            ``"dots"`` 3.06 GiB and 13.2, ``"everything"`` 6.10 GiB and 27.6, ``"nothing"``
+            3.92 GiB and 18.8. Compiled for one H100 (the 303M GPT of
+            ``configs/gpt_300m_gpu.yaml`` with XLA's attention, 8 sequences): ``"gemm"``
+            16.1 GiB and 85.7 fp32 gradient volumes of traffic (20.3 and 114.2 before; the
+            bare step 29.7 and 88.3). On one H100 at dp = 1 (the same GPT with cuDNN
+            attention, blocks unrolled, ``G = 1``, where there is no batched dot) the step
+            took 1.040x the bare step with the attention output saved, 1.070x with it
+            recomputed, at 0.81x the bare step's memory; saving every intermediate had cost
+            1.26x.
             Limitation: a policy sees shapes, not provenance, so a GEMM whose operands both
             come from gathered params only (e.g. a low-rank ``A @ B`` weight) is saved by
             every policy but ``"nothing"`` (its operands are still gathered again for their

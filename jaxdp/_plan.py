@@ -29,6 +29,7 @@ import optax
 
 from ._codec import BlockCodec, Codec, InterleavedCodec, MegatronCodec, ParamCodec
 from ._config import DDPConfig
+from ._dot_operands import name_batched_dot_operands
 from ._gather import gathers_per_parameter, zero3_value_and_grad
 from ._group import ReductionGroup
 from ._kernels import (
@@ -48,6 +49,7 @@ from ._per_param import (
     per_parameter_all_reduce,
     per_parameter_collectives,
 )
+from ._remat import names_dot_operands
 from ._sharding import ShardingPlan
 from ._strategy import Replicated, ShardedOpt, ShardedParams, Strategy
 from ._zero3_scan import find_stacks, finds_stacks, zero3_scan_value_and_grad
@@ -274,6 +276,8 @@ def _strategy(
         )
     # stage 3: scanned layer stacks are gathered one layer per scan iteration
     vg = zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad
+    if names_dot_operands(config):  # the policy saves what XLA's attention reads
+        vg = _naming_dot_operands(vg)
     pre: Callable[..., Any] = layout.shard_unview if layout.stacked else (lambda v: v)
     kernel = functools.partial(GatherInGrad, value_and_grad=vg, pre=pre)
     return ShardedParams(
@@ -283,6 +287,16 @@ def _strategy(
         per_parameter=gathers_per_parameter(layout),
         **common,
     )
+
+
+def _naming_dot_operands(vg: Callable[..., Any]) -> Callable[..., Any]:
+    """Stage 3's value-and-grad builder, given the loss with its batched dots' operands named
+    (:func:`jaxdp._dot_operands.name_batched_dot_operands`)."""
+
+    def build(parts: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return vg(name_batched_dot_operands(parts), *args, **kw)
+
+    return build
 
 
 def build_plan(

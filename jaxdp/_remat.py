@@ -17,10 +17,12 @@ import jax
 from ._config import DDPConfig
 
 __all__ = [
+    "DOT_OPERAND",
     "GATHERED",
     "SCAN_CARRY",
     "dots_policy",
     "gemm_policy",
+    "names_dot_operands",
     "not_gathered_policy",
     "remat_policy_for",
 ]
@@ -33,6 +35,10 @@ GATHERED = "jaxdp_gathered_params"
 #: scan bodies, and without it the backward pass runs the forward loop, gathers included,
 #: once more to recompute the layer inputs.
 SCAN_CARRY = "jaxdp_scan_carry"
+#: ``checkpoint_name`` of each operand of a batched ``dot_general`` that is not a param (XLA's
+#: attention: queries, keys, softmax probabilities, values), given by
+#: :func:`jaxdp._dot_operands.name_batched_dot_operands`. Saved by ``"gemm"`` and ``"dots"``.
+DOT_OPERAND = "jaxdp_dot_operand"
 
 # Primitives that only move, cast or replicate data. Their outputs are never saved for the
 # backward pass: with a "save anything" policy the unpacked params (slices and reshapes of a
@@ -86,25 +92,29 @@ _FUSED_ATTENTION = frozenset(
 def gemm_policy(prim: Any, *args: Any, **params: Any) -> bool:
     """``remat_policy="gemm"``: save the outputs of ``dot_general`` without batch dimensions
     (jax's ``dots_with_no_batch_dims_saveable``: dense layers and projections), of cuDNN fused
-    attention (its output and softmax statistics: no ``T x T`` scores) and the layer inputs
-    of gathered scans (:data:`SCAN_CARRY`). Norms, activations and XLA's batched attention
-    dots are recomputed. Gathered params and their layout derivatives are never among these,
-    so they are recomputed (gathered again)."""
+    attention (its output and softmax statistics), the operands of batched dots where stage 3
+    named them (:data:`DOT_OPERAND`: XLA's attention's queries, keys, softmax probabilities and
+    values, instead of rebuilding them from the projections' outputs) and the layer inputs of
+    gathered scans (:data:`SCAN_CARRY`). Norms and activations are recomputed. Gathered params and
+    their layout derivatives are never among these, so they are recomputed (gathered
+    again)."""
     return _saves(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prim, args, params)
 
 
 def dots_policy(prim: Any, *args: Any, **params: Any) -> bool:
     """``remat_policy="dots"``: what ``"gemm"`` saves, plus batched ``dot_general`` outputs
     (XLA's attention scores and context) and convolutions (jax's ``dots_saveable`` plus fused
-    attention, and the layer inputs of gathered scans, :data:`SCAN_CARRY`)."""
+    attention, the operands of batched dots, :data:`DOT_OPERAND`, and the layer inputs of
+    gathered scans, :data:`SCAN_CARRY`)."""
     return _saves(jax.checkpoint_policies.dots_saveable, prim, args, params)
 
 
 def _saves(dots: Callable[..., bool], prim: Any, args: Any, params: Any) -> bool:
-    """``"gemm"`` and ``"dots"``: the scan carries, cuDNN fused attention, and what ``dots``
-    (a jax policy for ``dot_general``) saves."""
+    """``"gemm"`` and ``"dots"``: the scan carries, the operands of batched dots
+    (:data:`DOT_OPERAND`), cuDNN fused attention, and what ``dots`` (a jax policy for
+    ``dot_general``) saves."""
     if prim.name == "name":
-        return bool(params.get("name") == SCAN_CARRY)
+        return params.get("name") in (SCAN_CARRY, DOT_OPERAND)
     if prim.name in _FUSED_ATTENTION:
         return True
     return bool(dots(prim, *args, **params))
@@ -116,6 +126,19 @@ _POLICIES: dict[str, Callable[..., bool]] = {
     "everything": not_gathered_policy,
     "nothing": jax.checkpoint_policies.nothing_saveable,
 }
+
+
+def names_dot_operands(config: DDPConfig) -> bool:
+    """Whether stage 3 names the operands of the loss's batched dots
+    (:func:`jaxdp._dot_operands.name_batched_dot_operands`): for the policies that save them.
+
+    Example:
+        >>> from jaxdp import DDPConfig
+        >>> names_dot_operands(DDPConfig(zero_stage=3)), names_dot_operands(
+        ...     DDPConfig(zero_stage=3, remat_policy="nothing"))
+        (True, False)
+    """
+    return config.remat_policy in ("gemm", "dots")
 
 
 def remat_policy_for(config: DDPConfig) -> Callable[..., bool]:

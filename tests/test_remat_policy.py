@@ -30,7 +30,13 @@ from test_zero3_aot import stage3_collectives
 import jaxdp
 from jaxdp import DataParallel, DDPConfig, aot
 from jaxdp._config import REMAT_POLICIES
-from jaxdp._remat import _LAYOUT_PRIMITIVES, GATHERED, SCAN_CARRY, remat_policy_for
+from jaxdp._remat import (
+    _LAYOUT_PRIMITIVES,
+    DOT_OPERAND,
+    GATHERED,
+    SCAN_CARRY,
+    remat_policy_for,
+)
 from jaxdp.models import GPT, GPTConfig, next_byte_loss
 
 MODELS = {
@@ -117,10 +123,12 @@ def test_policies_save_what_they_document():
     }
     # the layer inputs of gathered scans: kept unless everything is recomputed (else the
     # backward pass would run the forward loop again, gathers included)
-    carry = jax.make_jaxpr(lambda h: checkpoint_name(h, SCAN_CARRY))(args[1]).jaxpr.eqns[0]
-    for p in REMAT_POLICIES:
-        policy = remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p))
-        assert policy(carry.primitive, carry.invars[0].aval, **carry.params) == (p != "nothing")
+    # and the operands of batched dots stage 3 names (jaxdp._dot_operands)
+    for name in (SCAN_CARRY, DOT_OPERAND):
+        eqn = jax.make_jaxpr(lambda h, n=name: checkpoint_name(h, n))(args[1]).jaxpr.eqns[0]
+        for p in REMAT_POLICIES:
+            policy = remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p))
+            assert policy(eqn.primitive, eqn.invars[0].aval, **eqn.params) == (p != "nothing")
     # every primitive "everything" treats as layout is refused by every policy
     for name in _LAYOUT_PRIMITIVES:
         prim = jax.extend.core.Primitive(name)
