@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--unrolled", action="store_true", help="the blocks unrolled (GPTConfig.scan=False)"
     )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "cudnn", "xla"),
+        help="GPTConfig.attention: 'xla' measures stage 3 keeping XLA attention's dot operands",
+    )
     p.add_argument("--block", default="", help="write between <!-- bench_gpu{BLOCK}:start -->")
     p.add_argument("--budget-s", type=float, default=None, help="start no variant after this")
     p.add_argument("--jsonl", default=None, help="append each finished variant here")
@@ -513,6 +519,7 @@ def main(argv: list[str] | None = None) -> str:
         heads=args.heads,
         context=args.context,
         scan=not args.unrolled,
+        attention=args.attention,
     )
     model = GPT(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
