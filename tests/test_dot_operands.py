@@ -176,3 +176,56 @@ def test_stage3_names_them_for_gemm_and_dots(loss_fn, make_params, policy):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback on these models
         dp.step(state, batch)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "nn.scan"])
+def test_stage3_gpt_with_xla_attention_and_dropout_matches_everything(scan):
+    """jaxdp.models.GPT with XLA's attention (flax modules, dropout drawn from the step's rng,
+    bf16 working params, G = 2): ``"gemm"`` names the attention's operands and its gradients
+    are those of ``"everything"`` bit for bit (XLA:CPU's excess-precision rewrite off, as in
+    test_remat_policy), with no fallback warning."""
+    from _models import capture_grads
+
+    from jaxdp.models import GPT, GPTConfig, next_byte_loss
+
+    cfg = GPTConfig(
+        layers=2, width=32, heads=2, context=16, attention="xla", dropout=0.1, scan=scan
+    )
+    model = GPT(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
+    tokens = np.random.default_rng(1).integers(0, 256, (16, cfg.context + 1), dtype=np.int32)
+
+    def loss_fn(p, b, rng=None):
+        return next_byte_loss(model, p, b, rng)
+
+    out = {}
+    for policy in ("gemm", "everything"):
+        dcfg = DDPConfig(
+            zero_stage=3,
+            num_microbatches=2,
+            param_dtype="bfloat16",
+            bucket_size=2_000,
+            remat_policy=policy,
+        )
+        dp = DataParallel(loss_fn, capture_grads(), dcfg, mesh=jaxdp.make_mesh())
+        batch = {"tokens": tokens}
+        state = dp.init(params, rng=jax.random.key(2), example_batch=batch)
+        batch = dp.shard_batch(batch)
+        names = [
+            e.params["name"]
+            for e in _eqns(jax.make_jaxpr(dp.step._jitted)(state, batch).jaxpr)
+            if e.primitive.name == "name"
+        ]
+        assert (DOT_OPERAND in names) == (policy == "gemm")
+        step = dp.step.lower(state, batch).compile(
+            compiler_options={"xla_allow_excess_precision": False}
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            state, metrics = step(state, batch)
+        out[policy] = (jax.device_get(state.opt_state), float(metrics["loss"]))
+    assert out["gemm"][1] == out["everything"][1]
+    for a, b in zip(
+        jax.tree.leaves(out["gemm"][0]), jax.tree.leaves(out["everything"][0]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
