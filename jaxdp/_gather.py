@@ -52,6 +52,7 @@ __all__ = [
     "gathers_per_parameter",
     "make_bucket_gather",
     "make_leaf_gather",
+    "reduces_per_parameter",
     "sharded_gather",
     "zero3_value_and_grad",
 ]
@@ -103,6 +104,21 @@ def gathers_per_parameter(layout: BucketLayout) -> bool:
     """Whether ZeRO-3 gathers ``layout``'s buckets per parameter (:func:`make_leaf_gather`):
     interleaved layouts without layer stacks. Others gather whole buckets."""
     return layout.kind == "interleaved" and not layout.stacked
+
+
+def reduces_per_parameter(config: DDPConfig, layout: BucketLayout) -> bool:
+    """Whether ZeRO-3 also reduce-scatters every gradient per parameter and accumulates it in
+    an array of its own (one per parameter, :class:`jaxdp._per_param.PerParamOps`): gathers
+    per parameter, and every bucket's gradient reduced on a bf16 wire by ``psum_scatter``
+    (:func:`make_leaf_gather`). One accumulator per bucket would make each reduced gradient
+    the concatenation of its bucket's pieces, which XLA fuses into every parameter's update
+    (no memory traffic) but which makes each update a kernel of its own."""
+    return (
+        gathers_per_parameter(layout)
+        and not config.reduce_scatter_with_fp32_accumulation
+        and not config.deterministic_reduction
+        and all(jnp.dtype(b.grad_dtype).itemsize < 4 for b in layout.buckets)
+    )
 
 
 def _vma(x: jax.Array) -> frozenset[str]:
@@ -255,7 +271,9 @@ def make_leaf_gather(
     ``all_to_all``: XLA:GPU has no all-to-all combiner) and with an fp32 wire
     (``grad_reduce_in_fp32``), where per-parameter reduce-scatters saved no memory in the same
     compile (1.47x either way) and XLA left the first one without overlap. Cotangents: zero for
-    ``pieces``, the reduced bucket shard for ``acc``, the non-finite flags for ``flags``.
+    ``pieces``, the reduced bucket shard for ``acc`` (or, where :func:`reduces_per_parameter`,
+    ``acc`` is a tuple of this rank's per-parameter pieces and so is its cotangent), the
+    non-finite flags for ``flags``.
     """
     axis = config.data_axis
     acc_dt = jnp.dtype(config.main_grads_dtype)
@@ -271,6 +289,7 @@ def make_leaf_gather(
         or config.deterministic_reduction
         or jnp.dtype(b.grad_dtype).itemsize >= 4
     )
+    per_slot_acc = reduces_per_parameter(config, layout)  # acc: one array per parameter
 
     @jax.custom_vjp
     def gather(pieces: tuple[jax.Array, ...], acc: jax.Array, flags: jax.Array) -> list[jax.Array]:
@@ -292,7 +311,11 @@ def make_leaf_gather(
                 # deferred even with one micro-batch: a power-of-two scale is left to the
                 # final division (_reduce_one), the same bits without a pass over the gradient
                 parts[i], div = _reduce_one(flat, b, layout, config, num_microbatches, True)
-            red = layout._fill(b, parts, parts[slots[0]].dtype)
+            red = (
+                tuple(parts[i] for i in slots)
+                if per_slot_acc
+                else layout._fill(b, parts, parts[slots[0]].dtype)
+            )
         else:
             leaves: list[Any] = [None] * len(layout.slots)
             for i, ct in zip(slots, cts, strict=True):
@@ -310,7 +333,8 @@ def make_leaf_gather(
             _varying_like(jnp.zeros(s.shape, s.dtype), ct)
             for s, ct in zip(shapes, cts, strict=True)
         )
-        return zeros, _varying_like(red.astype(acc_dt), cts[0]), bad
+        acc_ct = jax.tree.map(lambda r: _varying_like(r.astype(acc_dt), cts[0]), red)
+        return zeros, acc_ct, bad
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -333,8 +357,9 @@ def zero3_value_and_grad(
     Returns ``(vg, divisors, loss)``: ``vg(accs, flags, view, mb) -> ((loss, aux), (d_accs,
     d_flags))`` (``loss`` is the same function undifferentiated) where ``view`` is this rank's
     shard view of the working params (:meth:`BucketLayout.shard_view`, working dtype), ``accs``
-    and
-    ``flags`` zeros per bucket (``main_grads_dtype[shard_numel]``, ``float32[len(slots)]``);
+    zeros per bucket (``main_grads_dtype[shard_numel]``; per parameter, this rank's piece,
+    where :func:`reduces_per_parameter`) and ``flags`` zeros per bucket
+    (``float32[len(slots)]``);
     ``d_accs`` are the reduced gradient shards and ``d_flags`` the non-finite flags. With
     ``num_microbatches > 1`` the reductions are deferred (unscaled sums, as at stage 2):
     :func:`jaxdp._reduce.finish_deferred` with ``divisors[-len(layout.buckets):]`` ends them.
@@ -344,6 +369,7 @@ def zero3_value_and_grad(
     divisors: list[int] = []
     # Interleaved layouts gather (and reduce-scatter) per parameter: see make_leaf_gather.
     per_leaf = gathers_per_parameter(layout)
+    per_slot = reduces_per_parameter(config, layout)  # accs: one per parameter, not bucket
     make = make_leaf_gather if per_leaf else make_bucket_gather
     gathers: list[Callable[..., Any]] = [
         make(
@@ -364,7 +390,8 @@ def zero3_value_and_grad(
             for k in reversed(range(len(gathers))):  # forward order, as below
                 b = layout.buckets[k]
                 mine = tuple(pieces[i].astype(b.dtype) for i in b.slots)
-                for i, leaf in zip(b.slots, gathers[k](mine, accs[k], flags[k]), strict=True):
+                acc = tuple(accs[i] for i in b.slots) if per_slot else accs[k]
+                for i, leaf in zip(b.slots, gathers[k](mine, acc, flags[k]), strict=True):
                     leaves[i] = checkpoint_name(leaf, GATHERED)
             return jax.tree_util.tree_unflatten(layout.treedef, leaves)
         # The bucket shards are assembled from the shard view in here, not by the caller: a

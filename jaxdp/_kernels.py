@@ -314,7 +314,8 @@ class GatherInGrad(_Sharded, Kernel):
         )
         self.pre = pre
         vary = lambda t: jax.tree.map(lambda v: jax.lax.pcast(v, axis, to="varying"), t)  # noqa: E731
-        self.accs0 = vary(self.ops.zeros([b.shard_numel for b in layout.buckets], self.acc_dt))
+        # one accumulator per bucket, or per parameter (PerParamOps: reduces_per_parameter)
+        self.accs0 = vary(self.ops.zeros(self.ops.numels(True), self.acc_dt))
         self.flags0 = vary(self.ops.zeros([len(b.slots) for b in layout.buckets], jnp.float32))
         slot_pos = [(bi, j) for bi, b in enumerate(layout.buckets) for j, _ in enumerate(b.slots)]
         slot_ids = [i for b in layout.buckets for i in b.slots]
@@ -328,11 +329,14 @@ class GatherInGrad(_Sharded, Kernel):
         return self.loss(self.accs0, self.flags0, ctx, mb)
 
     def acc0(self) -> Any:
-        return self.ops.zeros([b.shard_numel for b in self.layout.buckets], self.acc_dt)
+        return self.ops.zeros(self.ops.numels(True), self.acc_dt)
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
         out, (red, bad) = self.vg(self.accs0, self.flags0, ctx, mb)
-        self.divisors.append(tuple(self.z3_divisors[-len(self.layout.buckets) :]))
+        per_bucket = tuple(self.z3_divisors[-len(self.layout.buckets) :])
+        if len(red) != len(per_bucket):  # one accumulator per parameter (PerParamOps)
+            per_bucket = tuple(per_bucket[s.bucket] for s in self.layout.slots)
+        self.divisors.append(per_bucket)
         acc = _plus(acc, red, self.acc_dt)
         if self.config.check_for_nan_in_grad:
             bad = self.ops.bucket_flags(bad)

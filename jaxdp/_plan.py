@@ -30,7 +30,7 @@ import optax
 from ._codec import BlockCodec, Codec, InterleavedCodec, MegatronCodec, ParamCodec
 from ._config import DDPConfig
 from ._dot_operands import name_batched_dot_operands
-from ._gather import gathers_per_parameter, zero3_value_and_grad
+from ._gather import gathers_per_parameter, reduces_per_parameter, zero3_value_and_grad
 from ._group import ReductionGroup
 from ._kernels import (
     GatherInGrad,
@@ -189,6 +189,8 @@ def _ops(
     if sharding.auto_axes:
         return NestedOps(layout, config, group, sharding)
     if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
+        return PerParamOps(layout, config, group, sharding)
+    if config.zero_stage == 3 and reduces_per_parameter(config, layout):
         return PerParamOps(layout, config, group, sharding)
     if config.zero_stage == 0 and per_parameter_all_reduce(
         config, layout, group.platform, group.size
