@@ -177,3 +177,37 @@ def test_end_of_step_gathers_keep_no_second_copy_of_the_params(mesh, stage, g):
     assert all(b.start_index > a.done_index for a, b in itertools.pairwise(ags)), ags  # in turn
     acc = 0 if g == 1 else (4 * psi if stage == 1 else 4 * psi // 8)  # the fp32 accumulator
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * psi + acc
+
+
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("fp32_wire", [False, True], ids=["bf16-wire", "fp32-wire"])
+def test_stage3_accumulates_each_parameter_on_its_own(h100, g, fp32_wire):
+    """On a bf16 wire with per-parameter gathers, stage 3 reduces each gradient into an
+    accumulator of its own (PerParamOps): no bucket's reduced pieces are concatenated (that
+    concatenation, fused into every update, made each update a kernel of its own). With an
+    fp32 wire the buckets are packed and reduced whole, which is how the check is checked."""
+    import re
+
+    from jaxdp import aot
+    from jaxdp._gather import reduces_per_parameter
+    from jaxdp._per_param import PerParamOps
+
+    loss_fn, params, batch = aot.example_mlp(layers=6, width=128, batch=64)
+    cfg = DDPConfig(
+        zero_stage=3,
+        param_dtype="bfloat16",
+        bucket_size=40_000,
+        num_microbatches=g,
+        grad_reduce_in_fp32=fp32_wire,
+    )
+    dp = DataParallel(loss_fn, optax.adam(1e-3), cfg, mesh=h100)
+    text = aot.compile_step(dp, params, batch).as_text()
+    per_bucket = max(len(b.slots) for b in dp.layout.buckets)
+    assert per_bucket >= 4
+    widest = max(len(m.split(",")) for m in re.findall(r"concatenate\(([^)]*)\)", text))
+    assert reduces_per_parameter(cfg, dp.layout) == (not fp32_wire)
+    assert isinstance(dp.plan.strategy.ops, PerParamOps) == (not fp32_wire)
+    if fp32_wire:
+        assert widest >= per_bucket
+    else:
+        assert widest <= 2  # the metrics' small stacks, no bucket
