@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Jaxpr, Literal
 
 from ._remat import _LAYOUT_PRIMITIVES, DOT_OPERAND
-from ._scan_rewrite import _CALLS, _bind, scan_counts
+from ._scan_rewrite import _CALLS, _bind, scan_again, scan_counts
 
 __all__ = ["name_batched_dot_operands"]
 
@@ -120,11 +120,7 @@ def _scan(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
         outs = _eval(closed.jaxpr, list(closed.consts), [*consts, *c, *x], body_flags)
         return outs[:nk], outs[nk:]
 
-    kw = {"_split_transpose": p["_split_transpose"]} if "_split_transpose" in p else {}
-    carry_out, ys = jax.lax.scan(
-        step, carry, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"], **kw
-    )
-    return [*carry_out, *ys]
+    return scan_again(p, step, carry, xs)
 
 
 def name_batched_dot_operands(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -333,10 +333,8 @@ class GatherInGrad(_Sharded, Kernel):
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
         out, (red, bad) = self.vg(self.accs0, self.flags0, ctx, mb)
-        per_bucket = tuple(self.z3_divisors[-len(self.layout.buckets) :])
-        if len(red) != len(per_bucket):  # one accumulator per parameter (PerParamOps)
-            per_bucket = tuple(per_bucket[s.bucket] for s in self.layout.slots)
-        self.divisors.append(per_bucket)
+        per_bucket = self.z3_divisors[-len(self.layout.buckets) :]
+        self.divisors.append(self.ops.per_array(per_bucket))  # one per accumulator
         acc = _plus(acc, red, self.acc_dt)
         if self.config.check_for_nan_in_grad:
             bad = self.ops.bucket_flags(bad)

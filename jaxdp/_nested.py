@@ -107,6 +107,10 @@ class PlainOps:
         """Elements of each accumulator: a bucket (``sharded``: its shard)."""
         return [b.shard_numel if sharded else b.numel for b in self.layout.buckets]
 
+    def per_array(self, per_bucket: Sequence[Any]) -> tuple[Any, ...]:
+        """A value given per bucket (e.g. a divisor), for each accumulator of :meth:`numels`."""
+        return tuple(per_bucket)
+
     def zeros(self, numels: Sequence[int], dtype: Any) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros((n,), dtype) for n in numels)
 

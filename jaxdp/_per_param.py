@@ -121,6 +121,9 @@ class _PerParameter(PlainOps):
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
         self.norm_per_parameter = norm_per_parameter(self.group.platform, self.group.size)
 
+    def per_array(self, per_bucket: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(per_bucket[b.index] for b in self.reduce_buckets)
+
     def square_norm(
         self, red: Sequence[jax.Array], divisors: Sequence[int] | None = None
     ) -> jax.Array:

@@ -227,9 +227,23 @@ def _scan(eqn: Any, invals: list[Any], ctx: _Ctx) -> list[Any]:
     if ctx.remat and st:
         policy = ctx.policy or jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         step = jax.checkpoint(step, policy=policy, prevent_cse=ctx.prevent_cse)
-    kw = {"_split_transpose": p["_split_transpose"]} if "_split_transpose" in p else {}
+    return scan_again(p, step, carry, scan_in)
+
+
+def scan_again(
+    params: Mapping[str, Any], step: Callable[..., Any], carry: list[Any], xs: list[Any]
+) -> list[Any]:
+    """``jax.lax.scan`` of a new body ``step`` with a ``scan`` equation's ``params`` (length,
+    direction, unroll): its outputs, carries then stacked ``ys``."""
+    kw = {"_split_transpose": params["_split_transpose"]} if "_split_transpose" in params else {}
     carry_out, ys = jax.lax.scan(
-        step, carry, scan_in, length=p["length"], reverse=p["reverse"], unroll=p["unroll"], **kw
+        step,
+        carry,
+        xs,
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+        **kw,
     )
     return [*carry_out, *ys]
 

@@ -26,6 +26,7 @@ from _transformer import (
     transformer_params,
 )
 from jax.ad_checkpoint import checkpoint_name
+from test_remat_policy import exact_step, stage3_engine
 
 import jaxdp
 from jaxdp import DataParallel, DDPConfig, _dot_operands
@@ -42,6 +43,12 @@ def _eqns(jaxpr):
                 inner = getattr(sub, "jaxpr", sub)
                 if isinstance(inner, jax.extend.core.Jaxpr):
                     yield from _eqns(inner)
+
+
+def _step_names(dp, state, batch):
+    """The ``checkpoint_name`` s in the jaxpr of ``dp``'s step."""
+    jaxpr = jax.make_jaxpr(dp.step._jitted)(state, batch).jaxpr
+    return [e.params["name"] for e in _eqns(jaxpr) if e.primitive.name == "name"]
 
 
 def _names(fn, *args):
@@ -165,11 +172,7 @@ def test_stage3_names_them_for_gemm_and_dots(loss_fn, make_params, policy):
     batch = transformer_batches(32, 1)[0]
     state = dp.init(make_params(), example_batch=batch)
     batch = dp.shard_batch(batch)
-    names = [
-        e.params["name"]
-        for e in _eqns(jax.make_jaxpr(dp.step._jitted)(state, batch).jaxpr)
-        if e.primitive.name == "name"
-    ]
+    names = _step_names(dp, state, batch)
     want = policy in ("gemm", "dots")
     assert (DOT_OPERAND in names) == want, (policy, set(names))
     assert remat_policy_for(cfg)  # the policy exists for every value
@@ -184,8 +187,6 @@ def test_stage3_gpt_with_xla_attention_and_dropout_matches_everything(scan):
     bf16 working params, G = 2): ``"gemm"`` names the attention's operands and its gradients
     are those of ``"everything"`` bit for bit (XLA:CPU's excess-precision rewrite off, as in
     test_remat_policy), with no fallback warning."""
-    from _models import capture_grads
-
     from jaxdp.models import GPT, GPTConfig, next_byte_loss
 
     cfg = GPTConfig(
@@ -200,30 +201,14 @@ def test_stage3_gpt_with_xla_attention_and_dropout_matches_everything(scan):
 
     out = {}
     for policy in ("gemm", "everything"):
-        dcfg = DDPConfig(
-            zero_stage=3,
-            num_microbatches=2,
-            param_dtype="bfloat16",
-            bucket_size=2_000,
-            remat_policy=policy,
-        )
-        dp = DataParallel(loss_fn, capture_grads(), dcfg, mesh=jaxdp.make_mesh())
+        dp = stage3_engine(loss_fn, policy, bucket_size=2_000)
         batch = {"tokens": tokens}
         state = dp.init(params, rng=jax.random.key(2), example_batch=batch)
         batch = dp.shard_batch(batch)
-        names = [
-            e.params["name"]
-            for e in _eqns(jax.make_jaxpr(dp.step._jitted)(state, batch).jaxpr)
-            if e.primitive.name == "name"
-        ]
-        assert (DOT_OPERAND in names) == (policy == "gemm")
-        step = dp.step.lower(state, batch).compile(
-            compiler_options={"xla_allow_excess_precision": False}
-        )
+        assert (DOT_OPERAND in _step_names(dp, state, batch)) == (policy == "gemm")
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            state, metrics = step(state, batch)
-        out[policy] = (jax.device_get(state.opt_state), float(metrics["loss"]))
+            out[policy] = exact_step(dp, state, batch)
     assert out["gemm"][1] == out["everything"][1]
     for a, b in zip(
         jax.tree.leaves(out["gemm"][0]), jax.tree.leaves(out["everything"][0]), strict=True

@@ -45,32 +45,44 @@ MODELS = {
 }
 
 
-@functools.cache
-def _grads(model, policy):
-    """The reduced gradient of one stage-3 step (bf16 params, G = 2, several buckets)."""
-    loss_fn, make_params = MODELS[model]
+def stage3_engine(loss_fn, policy, bucket_size):
+    """Stage 3 with bf16 params, G = 2 and ``policy``, whose optimizer state after a step is
+    that step's reduced gradient (``capture_grads``)."""
     cfg = DDPConfig(
         zero_stage=3,
         num_microbatches=2,
         param_dtype="bfloat16",
-        bucket_size=300,
+        bucket_size=bucket_size,
         remat_policy=policy,
     )
-    dp = DataParallel(loss_fn, capture_grads(), cfg, mesh=jaxdp.make_mesh())
-    batch = transformer_batches(32, 1)[0]
-    state = dp.init(make_params(), example_batch=batch)
-    assert len(dp.layout.buckets) > 3
-    assert bool(dp.layout.stacked) == (model == "scan_transformer")
-    batch = dp.shard_batch(batch)
-    # XLA:CPU may keep a bf16 intermediate in f32 inside a fusion ("excess precision"), and
-    # what a policy saves decides what is fused: such roundings then differ by a bf16 ulp in
-    # a few local gradients (seen on the scanned transformer). Without that rewrite the
-    # programs compute the same numbers.
+    return DataParallel(loss_fn, capture_grads(), cfg, mesh=jaxdp.make_mesh())
+
+
+def exact_step(dp, state, batch):
+    """One step of ``dp`` compiled without XLA:CPU's excess-precision rewrite:
+    ``(reduced gradient, loss)``.
+
+    XLA:CPU may keep a bf16 intermediate in f32 inside a fusion ("excess precision"), and what
+    a policy saves decides what is fused: such roundings then differ by a bf16 ulp in a few
+    local gradients (seen on the scanned transformer). Without that rewrite the programs
+    compute the same numbers."""
     step = dp.step.lower(state, batch).compile(
         compiler_options={"xla_allow_excess_precision": False}
     )
     state, metrics = step(state, batch)
     return jax.device_get(state.opt_state), float(metrics["loss"])
+
+
+@functools.cache
+def _grads(model, policy):
+    """The reduced gradient of one stage-3 step (bf16 params, G = 2, several buckets)."""
+    loss_fn, make_params = MODELS[model]
+    dp = stage3_engine(loss_fn, policy, bucket_size=300)
+    batch = transformer_batches(32, 1)[0]
+    state = dp.init(make_params(), example_batch=batch)
+    assert len(dp.layout.buckets) > 3
+    assert bool(dp.layout.stacked) == (model == "scan_transformer")
+    return exact_step(dp, state, dp.shard_batch(batch))
 
 
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "everything"])
