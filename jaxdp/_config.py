@@ -153,15 +153,17 @@ class DDPConfig:
             stack) saves for the backward pass. No policy saves a gathered parameter or a
             slice, reshape, cast or transpose of one, so the backward pass gathers the params
             again. ``"gemm"`` (default): the outputs of ``dot_general`` without batch
-            dimensions (the GEMMs of dense layers and attention projections), of cuDNN
-            fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``: its
-            output and softmax statistics, no ``T x T`` scores), and the operands of batched
+            dimensions (the GEMMs of dense layers and attention projections) and of batched
+            ones no larger than their larger operand (XLA's attention context, not its
+            ``T x T`` scores), of cuDNN fused attention
+            (``jax.nn.dot_product_attention(implementation="cudnn")``: its output and softmax
+            statistics, no ``T x T`` scores), and the operands of batched
             ``dot_general`` s that are not params: with XLA's attention, each layer's
             queries, keys, values and softmax probabilities (stage 3 names them in the loss,
             :mod:`jaxdp._dot_operands`, so the backward pass does not rebuild them from the
             projections); norms and activations are recomputed, so XLA fuses them into their
             consumers instead of writing them out. ``"dots"``: also the outputs of every
-            batched ``dot_general`` (XLA's attention scores and context) and convolution.
+            batched ``dot_general`` (XLA's attention scores too) and convolution.
             ``"everything"``: every intermediate but the gathered params (jaxdp before this
             field). ``"nothing"``: recompute the whole forward pass. Compiled for 8 H100s
             (``bench/bench_remat.py``, a 100.7M-parameter GPT, 12 layers of width 832,

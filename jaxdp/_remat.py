@@ -9,6 +9,7 @@ primitives derive from them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -91,14 +92,48 @@ _FUSED_ATTENTION = frozenset(
 
 def gemm_policy(prim: Any, *args: Any, **params: Any) -> bool:
     """``remat_policy="gemm"``: save the outputs of ``dot_general`` without batch dimensions
-    (jax's ``dots_with_no_batch_dims_saveable``: dense layers and projections), of cuDNN fused
-    attention (its output and softmax statistics), the operands of batched dots where stage 3
-    named them (:data:`DOT_OPERAND`: XLA's attention's queries, keys, softmax probabilities and
-    values, instead of rebuilding them from the projections' outputs) and the layer inputs of
-    gathered scans (:data:`SCAN_CARRY`). Norms and activations are recomputed. Gathered params and
-    their layout derivatives are never among these, so they are recomputed (gathered
-    again)."""
-    return _saves(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prim, args, params)
+    (jax's ``dots_with_no_batch_dims_saveable``: dense layers and projections) and of batched
+    ``dot_general`` no larger than their larger operand (XLA's attention's context, probabilities
+    x values; not its scores, queries x keys, which grow with the square of the sequence), of
+    cuDNN fused attention (its output and softmax statistics), the operands of batched dots
+    where stage 3 named them (:data:`DOT_OPERAND`: XLA's attention's queries, keys, softmax
+    probabilities and values, instead of rebuilding them from the projections' outputs) and the
+    layer inputs of gathered scans (:data:`SCAN_CARRY`). Norms and activations are recomputed.
+    Gathered params and their layout derivatives are never among these, so they are recomputed
+    (gathered again).
+
+    Example (attention's context, probabilities [b, q, k] x values [b, k, d], is saved; its
+    scores, queries [b, q, d] x keys [b, k, d], are not):
+        >>> import jax, jax.numpy as jnp
+        >>> def spec(*shape):
+        ...     return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        >>> def saves(lhs, rhs, contract):
+        ...     dims = (contract, ((0,), (0,)))
+        ...     return gemm_policy(jax.lax.dot_general_p, lhs, rhs, dimension_numbers=dims)
+        >>> saves(spec(8, 1024, 1024), spec(8, 1024, 64), ((2,), (1,)))
+        True
+        >>> saves(spec(8, 1024, 64), spec(8, 1024, 64), ((2,), (2,)))
+        False
+    """
+    return _saves(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prim, args, params
+    ) or _no_larger_batched_dot(prim, args, params)
+
+
+def _no_larger_batched_dot(prim: Any, args: Any, params: Any) -> bool:
+    """A batched ``dot_general`` whose output has no more elements than its larger operand:
+    saving it costs no more than an operand (attention's context), where a product that grows
+    past both (attention's scores, queries x keys) is left to the recompute."""
+    if prim.name != "dot_general" or len(args) != 2:
+        return False
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if not lb:
+        return False
+    lhs, rhs = (tuple(a.shape) for a in args)
+    out = math.prod(lhs[d] for d in lb)
+    out *= math.prod(n for i, n in enumerate(lhs) if i not in lc and i not in lb)
+    out *= math.prod(n for i, n in enumerate(rhs) if i not in rc and i not in rb)
+    return out <= max(math.prod(lhs), math.prod(rhs))
 
 
 def dots_policy(prim: Any, *args: Any, **params: Any) -> bool:

@@ -9,7 +9,9 @@
   the backward pass, and the default's temporaries are at most those of ``"everything"``.
 """
 
+import collections
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -112,9 +114,10 @@ def test_policies_save_what_they_document():
         w = checkpoint_name(w, GATHERED)
         w = jnp.transpose(w.astype(jnp.bfloat16).reshape(8, 8))  # layout of the gathered param
         h = jnp.tanh(x @ w)  # a GEMM (no batch dims)
-        return jnp.einsum("bqd,bkd->bqk", h, h)  # a batched dot (attention scores)
+        s = jnp.einsum("bqd,bkd->bqk", h, h)  # a batched dot larger than both operands (scores)
+        return jnp.einsum("bqk,bkd->bqd", s, h)  # one no larger than an operand (context)
 
-    args = (jnp.ones((64,), jnp.float32), jnp.ones((2, 4, 8), jnp.bfloat16))
+    args = (jnp.ones((64,), jnp.float32), jnp.ones((2, 16, 8), jnp.bfloat16))
     saved = {
         p: _saved(remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p)), layer, *args)
         for p in REMAT_POLICIES
@@ -122,16 +125,16 @@ def test_policies_save_what_they_document():
     names = [n for n, _ in saved["gemm"]]
     assert names == [
         "name", "convert_element_type", "reshape", "transpose", "dot_general", "tanh",
-        "dot_general",
+        "dot_general", "dot_general",
     ]  # fmt: skip
     for p, s in saved.items():  # never the gathered param or what layout primitives derive
         assert not any(v for _, v in s[:4]), (p, s)
-    flags = {p: [v for _, v in s[4:]] for p, s in saved.items()}  # GEMM, tanh, batched dot
+    flags = {p: [v for _, v in s[4:]] for p, s in saved.items()}  # GEMM, tanh, scores, context
     assert flags == {
-        "gemm": [True, False, False],
-        "dots": [True, False, True],
-        "everything": [True, True, True],
-        "nothing": [False, False, False],
+        "gemm": [True, False, False, True],
+        "dots": [True, False, True, True],
+        "everything": [True, True, True, True],
+        "nothing": [False, False, False, False],
     }
     # the layer inputs of gathered scans: kept unless everything is recomputed (else the
     # backward pass would run the forward loop again, gathers included)
@@ -175,12 +178,26 @@ def _compiled(mesh, policy):
     dcfg = DDPConfig(zero_stage=3, param_dtype="bfloat16", bucket_size=400_000, remat_policy=policy)
     dp = DataParallel(lambda p, b: next_byte_loss(model, p, b), optax.adamw(1e-3), dcfg, mesh=mesh)
     compiled = aot.compile_step(dp, params, batch)
-    return dp, aot.schedule_report(compiled), compiled.memory_analysis()
+    return dp, aot.schedule_report(compiled), compiled.memory_analysis(), compiled.as_text()
+
+
+def _batched_gemms(text):
+    """How many GEMM kernels of the compiled program produce each batched (rank-3) shape,
+    dims sorted (XLA may transpose the layout)."""
+    kinds = ('"kind":"__triton_nested_gemm_fusion"', '"kind":"__triton_gemm"', "__cublas")
+    counts = collections.Counter()
+    for line in text.splitlines():
+        if (" fusion(" in line or "custom-call(" in line) and any(k in line for k in kinds):
+            m = re.search(r"= \(?[a-z0-9]+\[([0-9,]+)\]", line)
+            dims = tuple(sorted(int(d) for d in m.group(1).split(","))) if m else ()
+            if len(dims) == 3:
+                counts[dims] += 1
+    return counts
 
 
 @pytest.mark.parametrize("policy", REMAT_POLICIES)
 def test_every_policy_gathers_again_in_the_backward(h100, policy):
-    dp, report, _ = _compiled(h100, policy)
+    dp, report, _, _ = _compiled(h100, policy)
     lay = dp.layout
     moved = sum(lay.dp_size * (s.end - s.start) for s in lay.slots)
     biggest = max(b.numel for b in lay.buckets)
@@ -189,6 +206,25 @@ def test_every_policy_gathers_again_in_the_backward(h100, policy):
     # (all of it where the embedding lookup is recomputed, "gemm" and "nothing"); counted over
     # the whole step, as XLA may schedule a forward gather (the head's bias) after a re-gather
     assert 2 * moved - biggest <= sum(c.elements for c in gathers) <= 2 * moved, report
+
+
+@pytest.mark.parametrize("policy", REMAT_POLICIES)
+def test_only_the_attention_scores_gemm_is_recomputed(h100, policy):
+    """XLA's attention in the 2-layer GPT (8 sequences x 4 heads a device, context 128, head
+    dim 64): each layer's forward runs one scores GEMM ([32, 128, 128]) and one context GEMM
+    ([32, 128, 64]), its backward one more of the first shape and three more of the second.
+    ``"gemm"`` recomputes the scores (their fp32 softmax is not kept: quadratic in the
+    context) but keeps the context, which the output projection's weight gradient reads;
+    ``"dots"`` and ``"everything"`` recompute neither, ``"nothing"`` both."""
+    counts = _batched_gemms(_compiled(h100, policy)[3])
+    scores, context = counts[(32, 128, 128)], counts[(32, 64, 128)]
+    layers = 2
+    assert (scores, context) == {
+        "gemm": (3 * layers, 4 * layers),
+        "dots": (2 * layers, 4 * layers),
+        "everything": (2 * layers, 4 * layers),
+        "nothing": (3 * layers, 5 * layers),
+    }[policy], counts
 
 
 def test_default_policy_needs_no_more_temp_memory_than_everything(h100):
