@@ -167,14 +167,18 @@ class DDPConfig:
             ``"everything"``: every intermediate but the gathered params (jaxdp before this
             field). ``"nothing"``: recompute the whole forward pass. Compiled for 8 H100s
             (``bench/bench_remat.py``, a 100.7M-parameter GPT, 12 layers of width 832,
-            context 512, XLA's attention, ``G = 1``), per device: ``"gemm"`` 2.81 GiB and
+            context 512, XLA's attention, ``G = 1``), per device: ``"gemm"`` 2.56 GiB and
             13.2 GiB of non-GEMM memory traffic (2.88 and 16.3 before it kept the batched
-            dots' operands; the GSPMD ZeRO-1 peer, nothing recomputed: 3.88 and 14.8),
+            dots' operands, 2.81 GiB before it kept the attention's context; the GSPMD ZeRO-1
+            peer, nothing recomputed: 3.88 and 14.8),
             ``"dots"`` 3.05 GiB and 13.2, ``"everything"`` 6.09 GiB and 27.6, ``"nothing"``
             3.92 GiB and 18.8. Compiled for one H100 (the 303M GPT of
             ``configs/gpt_300m_gpu.yaml`` with XLA's attention, 8 sequences): ``"gemm"``
-            16.1 GiB and 85.7 fp32 gradient volumes of traffic (20.3 and 114.2 before; the
-            bare step 29.7 and 88.3). On one H100 at dp = 1 (the same GPT with cuDNN
+            15.1 GiB and 82.0 fp32 gradient volumes of traffic (20.3 and 114.2 before it
+            kept the batched dots' operands; the bare step 29.7 and 88.3); it recomputes each
+            layer's attention scores (fp32, ``T x T`` per head), which ``"dots"`` keeps. On
+            one H200 that model's step took 1.095x the bare step at 0.58x its memory, before
+            the context was kept. On one H100 at dp = 1 (the same GPT with cuDNN
             attention, blocks unrolled, ``G = 1``, where there is no batched dot) the step
             took 1.040x the bare step with the attention output saved, 1.070x with it
             recomputed, at 0.81x the bare step's memory; saving every intermediate had cost
