@@ -28,9 +28,11 @@ for STEPS steps in a process of its own and reports its steady tokens/s and MFU.
 
 The XLA flags of :func:`jaxdp.xla_flags` are tried in a child process first: a jaxlib newer
 than jaxdp's flag table may have dropped one, and XLA aborts on an unknown flag; any it refuses
-is left out and named in the output. ``--budget-s`` starts no variant once that many seconds
-have passed (the ones left are named as skipped); every finished variant is written at once
-(``--write``, ``--jsonl``), so a run cut short keeps what it measured.
+is left out and named in the output. ``--budget-s`` is counted from the process's start
+(imports and that probe included) and starts no variant that would end after it, judging by how
+long the variant before it took (the first always runs; the ones left are named as skipped):
+give it the bare row's time plus each variant's you want. Every finished variant is written at
+once (``--write``, ``--jsonl``), so a run cut short keeps what it measured.
 
 Run on a GPU host (the default model is the 303M-parameter GPT of ``configs/gpt_300m_gpu.yaml``)::
 
@@ -87,7 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GPTConfig.attention: 'xla' measures stage 3 keeping XLA attention's dot operands",
     )
     p.add_argument("--block", default="", help="write between <!-- bench_gpu{BLOCK}:start -->")
-    p.add_argument("--budget-s", type=float, default=None, help="start no variant after this")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds from the process's start: start no variant that would end after this, "
+        "judging by the one before it",
+    )
     p.add_argument("--jsonl", default=None, help="append each finished variant here")
     p.add_argument(
         "--main-job", type=int, default=0, metavar="STEPS", help="run jaxdp-train this long"
@@ -603,6 +611,11 @@ def main(argv: list[str] | None = None) -> str:
         }[kind]
         elapsed = time.perf_counter() - t_start
         if rows and args.budget_s is not None and elapsed + last > args.budget_s:
+            print(
+                f"skipping {label}: {elapsed:.0f} s used + {last:.0f} s (the last variant) > "
+                f"--budget-s {args.budget_s:.0f}",
+                flush=True,
+            )
             skipped.append(label)
             continue
         t0 = time.perf_counter()
