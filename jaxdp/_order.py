@@ -32,6 +32,23 @@ def _zero_from(dep: jax.Array) -> jax.Array:
     return _zeros(jnp.ravel(dep)[0])
 
 
+def _or_zero(v: jax.Array, zero: jax.Array) -> jax.Array:
+    """``v`` bit for bit: its bits OR'ed with ``zero`` (uint32 zeros, a scalar or ``v``'s
+    shape), so XLA computes it only once ``zero`` is."""
+    if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):  # typed keys: their bits
+        return jax.random.wrap_key_data(
+            _or_zero(jax.random.key_data(v), zero), impl=jax.random.key_impl(v)
+        )
+    v = jnp.asarray(v)
+    if v.size == 0:
+        return v
+    if v.dtype == jnp.bool_:
+        return v | (zero != 0)
+    u = _UINT[v.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(v, u) | zero.astype(u)
+    return jax.lax.bitcast_convert_type(bits, v.dtype)
+
+
 def overwrites(new: jax.Array, old: jax.Array) -> jax.Array:
     """``new``, bit for bit, computed elementwise with a read of ``old`` (same shape and
     dtype), so ``old``'s buffer is live until ``new`` is written.
@@ -49,9 +66,7 @@ def overwrites(new: jax.Array, old: jax.Array) -> jax.Array:
         >>> bool(jnp.all(out.view(jnp.uint16) == new.view(jnp.uint16)))
         True
     """
-    u = _UINT[new.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(new, u) | _zeros(old).astype(u)
-    return jax.lax.bitcast_convert_type(bits, new.dtype)
+    return _or_zero(new, _zeros(old))
 
 
 def after(x: Any, dep: Any) -> Any:
@@ -70,18 +85,4 @@ def after(x: Any, dep: Any) -> Any:
     for d in deps[1:]:
         zero = zero | _zero_from(d)
 
-    def one(v: jax.Array) -> jax.Array:
-        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):  # typed keys: their bits
-            return jax.random.wrap_key_data(
-                one(jax.random.key_data(v)), impl=jax.random.key_impl(v)
-            )
-        v = jnp.asarray(v)
-        if v.size == 0:
-            return v
-        if v.dtype == jnp.bool_:
-            return v | (zero != 0)
-        u = _UINT[v.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(v, u) | zero.astype(u)
-        return jax.lax.bitcast_convert_type(bits, v.dtype)
-
-    return jax.tree.map(one, x)
+    return jax.tree.map(lambda v: _or_zero(v, zero), x)
