@@ -227,7 +227,41 @@ def test_errors_are_clear():
 shapes_st = st.lists(
     st.lists(st.integers(1, 40), min_size=0, max_size=3).map(tuple), min_size=1, max_size=12
 )
-dtypes_st = st.lists(st.sampled_from(["float32", "bfloat16", "float16"]), min_size=1, max_size=12)
+
+
+def _xla_cpu_runs_float16() -> bool:
+    """Whether this backend can round to float16.
+
+    XLA:CPU lowers float32 -> float16 to ``__truncsfhf2``, a runtime function its JIT does not
+    provide; only CPUs with F16C (AVX2-class x86, and any run not capped below it with
+    ``--xla_cpu_max_isa``) convert inline. Elsewhere no float16 program compiles
+    (openxla/xla#6787), whatever jaxdp does.
+    """
+    try:
+        jax.block_until_ready(jax.jit(lambda x: x.astype(jnp.float16))(jnp.ones(2)))
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+FLOAT16 = _xla_cpu_runs_float16()
+_DTYPES = ["float32", "bfloat16"] + (["float16"] if FLOAT16 else [])
+dtypes_st = st.lists(st.sampled_from(_DTYPES), min_size=1, max_size=12)
+
+
+@pytest.mark.skipif(not FLOAT16, reason="XLA:CPU cannot round to float16 without F16C")
+@pytest.mark.parametrize("kind", ["interleaved", "megatron"])
+def test_float16_buckets_round_trip(kind):
+    """float16 leaves (the property test below mixes them in only where the CPU can)."""
+    cfg = DDPConfig(zero_stage=1, bucket_size=40, bucket_layout=kind)
+    params = [
+        jnp.linspace(-3, 3, n, dtype=jnp.float16).reshape(s) for n, s in [(1, ()), (30, (5, 6))]
+    ]
+    params.append(jnp.arange(7, dtype=jnp.float32))
+    lay = BucketLayout.from_params(params, cfg, 3)
+    for p, q in zip(params, lay.unpack(lay.pack(params))):
+        assert p.dtype == q.dtype
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
 
 
 @settings(max_examples=60, deadline=None)
