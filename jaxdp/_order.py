@@ -4,7 +4,6 @@ XLA's GPU pipeline drops ``optimization_barrier`` before it schedules a program,
 latency-hiding scheduler, with memory to spare, is free to hoist independent work early (a
 collective, or a whole micro-batch) and keep its buffers alive meanwhile. :func:`after` makes
 the order a data dependence instead, at the cost of one fused elementwise OR, bit-exact.
-:func:`overwrites` keeps a donated buffer's old value alive until its new value is written.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["after", "overwrites"]
+__all__ = ["after"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -47,26 +46,6 @@ def _or_zero(v: jax.Array, zero: jax.Array) -> jax.Array:
     u = _UINT[v.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(v, u) | zero.astype(u)
     return jax.lax.bitcast_convert_type(bits, v.dtype)
-
-
-def overwrites(new: jax.Array, old: jax.Array) -> jax.Array:
-    """``new``, bit for bit, computed elementwise with a read of ``old`` (same shape and
-    dtype), so ``old``'s buffer is live until ``new`` is written.
-
-    For a donated state leaf replaced by ``new``: XLA places temporaries in a donated buffer
-    between the old value's last read and the new value's write, and a fusion whose arguments
-    then differ in alignment (16 bytes inside an entry parameter's allocation, 256 in XLA's
-    own) is compiled once more for each mix. Reading ``old`` where ``new`` is written (one
-    fused read of it) leaves no such gap.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> new = jnp.array([1.5, -0.0, jnp.nan, -jnp.inf], jnp.bfloat16)
-        >>> out = overwrites(new, jnp.array([jnp.nan, 2.0, -3.0, 0.0], jnp.bfloat16))
-        >>> bool(jnp.all(out.view(jnp.uint16) == new.view(jnp.uint16)))
-        True
-    """
-    return _or_zero(new, _zeros(old))
 
 
 def after(x: Any, dep: Any) -> Any:

@@ -50,7 +50,6 @@ from ._group import ReductionGroup
 from ._layout import BucketLayout
 from ._local import local_gradients
 from ._loss import LossCall, loss_parts
-from ._order import overwrites
 from ._sharding import ShardingPlan
 from ._state import TrainState
 from ._update import gather_params
@@ -309,12 +308,7 @@ class ShardedParams(Strategy):
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
 
     def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
-        # Each new param shard is written where its old one is read (overwrites): else XLA
-        # placed temporaries in the donated shards after the backward's last gather, and
-        # compiled a kernel again for each argument alignment that left (GPT of 24 layers on
-        # one compile-only H100: 132 kernels for 95 fusion bodies, 96 with the read).
-        new = _cast_like(new_target, params)
-        return jax.tree.map(overwrites, new, params), new_target
+        return _cast_like(new_target, params), new_target
 
     def bytes_per_step(self) -> int:
         frac, grad, param = self._bytes()
