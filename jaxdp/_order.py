@@ -18,22 +18,18 @@ __all__ = ["after"]
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def _zeros(d: jax.Array) -> jax.Array:
-    """uint32 zeros computed elementwise from ``d`` (which XLA cannot prove are zero)."""
+def _zero_from(dep: jax.Array) -> jax.Array:
+    """A uint32 zero computed from one element of ``dep`` (which XLA cannot prove is zero)."""
+    d = jnp.ravel(dep)[0]
     if d.dtype == jnp.bool_:
         d = d.astype(jnp.uint8)
     bits = jax.lax.bitcast_convert_type(d, _UINT[d.dtype.itemsize]).astype(jnp.uint32)
     return (bits >> 16) >> 16
 
 
-def _zero_from(dep: jax.Array) -> jax.Array:
-    """A uint32 zero computed from one element of ``dep``."""
-    return _zeros(jnp.ravel(dep)[0])
-
-
 def _or_zero(v: jax.Array, zero: jax.Array) -> jax.Array:
-    """``v`` bit for bit: its bits OR'ed with ``zero`` (uint32 zeros, a scalar or ``v``'s
-    shape), so XLA computes it only once ``zero`` is."""
+    """``v`` bit for bit: its bits OR'ed with ``zero`` (a uint32 zero), so XLA computes it
+    only once ``zero`` is."""
     if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):  # typed keys: their bits
         return jax.random.wrap_key_data(
             _or_zero(jax.random.key_data(v), zero), impl=jax.random.key_impl(v)
