@@ -100,18 +100,27 @@ class _Clock:
         return out
 
 
-def plain_jit(layers: int, mesh: Any, abstract: bool) -> dict[str, float]:
-    """init / lower / compile CPU seconds of the plain-jit data-parallel step."""
+def plain_jit(
+    layers: int, mesh: Any, abstract: bool, norm: bool = False, zero1: bool = False
+) -> dict[str, float]:
+    """init / lower / compile CPU seconds of the plain-jit data-parallel step.
+
+    ``norm``: the step also returns ``optax.global_norm`` of its gradients, as jaxdp's metrics
+    return ``grad_norm``. ``zero1``: the GSPMD ZeRO-1 peer, its optimizer state sharded over
+    ``"data"`` (dimension 0, every leaf here divides) and each update on its shard, the new
+    params constrained back to replicated (XLA's partitioner inserts the reduce-scatters and
+    the all-gathers)."""
     clock = _Clock()
     opt = optax.adamw(1e-3)
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    shard = (lambda s: dat if s.ndim else rep) if zero1 else (lambda s: rep)
     loss_fn = _loss_fn(layers)
     if abstract:
         params = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), _params(layers, True)
         )
         opt_state = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard(s)),
             jax.eval_shape(opt.init, params),
         )
         batch = jax.tree.map(
@@ -119,14 +128,25 @@ def plain_jit(layers: int, mesh: Any, abstract: bool) -> dict[str, float]:
         )
     else:
         params = jax.device_put(_params(layers, False), rep)
-        opt_state = jax.jit(opt.init)(params)
+        opt_state = jax.jit(
+            opt.init, out_shardings=jax.tree.map(shard, jax.eval_shape(opt.init, params))
+        )(params)
         batch = jax.device_put(_batch(False), dat)
+
+    def constrain(tree: Any, to: Any) -> Any:
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, to(x)), tree)
 
     def step(state, batch):
         p, o = state
         loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        metrics = {"loss": loss}
+        if norm:
+            metrics["grad_norm"] = optax.global_norm(g)
+        if zero1:
+            g, p = constrain(g, shard), constrain(p, shard)
         updates, o = opt.update(g, o, p)
-        return (optax.apply_updates(p, updates), o), loss
+        new = optax.apply_updates(p, updates)
+        return (constrain(new, lambda _: rep) if zero1 else new, o), metrics
 
     init = clock.lap()
     lowered = jax.jit(step, donate_argnums=0).lower((params, opt_state), batch)
@@ -219,13 +239,24 @@ def _warm_up(mesh: Any) -> None:
     jax.jit(lambda x: jnp.sin(x) @ x.T).lower(spec).compile()
 
 
+# the plain-jit peers by --one name: "plain" is the table's; the others are the like-for-like
+# peers of BENCHMARKS §7's reading (jaxdp's metrics carry the gradient norm; stage 1 shards
+# the optimizer)
+PEERS: dict[str, dict[str, bool]] = {
+    "plain": {},
+    "plain+norm": {"norm": True},
+    "zero1+norm": {"norm": True, "zero1": True},
+}
+
+
 def _child(target: str, layers: int, variant: str) -> None:
-    """``--one TARGET LAYERS VARIANT``: one measurement, printed as a JSON line."""
+    """``--one TARGET LAYERS VARIANT``: one measurement, printed as a JSON line (VARIANT: a
+    name of :data:`PEERS`, or ``stage0`` ... ``stage3``)."""
     mesh = _h100_mesh() if target == "h100" else jaxdp.make_mesh()
     abstract = target == "h100"
     _warm_up(mesh)
-    if variant == "plain":
-        r = plain_jit(layers, mesh, abstract)
+    if variant in PEERS:
+        r = plain_jit(layers, mesh, abstract, **PEERS[variant])
     else:
         r = jaxdp_step(layers, mesh, abstract, int(variant.removeprefix("stage")))
     print("RESULT " + json.dumps(r), flush=True)

@@ -74,3 +74,10 @@ def test_only_one_section_is_replaced():
     spec.loader.exec_module(module)
     result = doctest.testmod(module)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_compile_peers_measure():
+    """The like-for-like peers of BENCHMARKS §7's reading (``bench_compile.py --one``): plain
+    ``jit`` returning its gradient norm, and the GSPMD ZeRO-1 peer that also does."""
+    for variant in ("plain+norm", "zero1+norm"):
+        _run_bench("bench_compile.py", "--one", "cpu", "2", variant)
