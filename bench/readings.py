@@ -65,6 +65,45 @@ def compile_reading(res: dict[str, Any]) -> str:
 **Reading the numbers.** Goal (issue 21): at most {goal}x plain `jit`. XLA:CPU: {listing(cpu)};
 compile-only H100s (the program a GPU user compiles): {gpu_txt} (stage 0 / stage 1).
 
+*Against like-for-like peers.* jaxdp's step does two things plain `jit` does not: its metrics
+carry the gradient norm (`grad_norm`, which clipping reads), and stage 1 shards the optimizer.
+Either costs any implementation compile time. Measured by hand on 2026-11-28 (at `4dff011`)
+with `python bench/bench_compile.py --one TARGET LAYERS VARIANT` (`plain`, `plain+norm`: plain
+`jit` also returning `optax.global_norm` of its gradients, `zero1+norm`: the GSPMD ZeRO-1 peer,
+optimizer state sharded `P("data")`, also returning the norm, `stage1`), init + lower +
+compile in process CPU seconds, one fresh process each, the variants in rotating order:
+
+| compiler, leaves | plain jit | + norm | GSPMD ZeRO-1 + norm | stage 1 | / plain | / ZeRO-1+norm |
+|---|---:|---:|---:|---:|---:|---:|
+| H100 x 8, 100 (medians of 4 rounds) | 2.94 | 3.61 | 3.41 | 4.20 | 1.46x | 1.27x |
+| H100 x 8, 1,000 (1 round) | 39.90 | 40.11 | 52.48 | 50.36 | 1.26x | 0.96x |
+| CPU, 100 (medians of 4 rounds) | 1.76 | 2.15 | 2.21 | 2.75 | 1.52x | 1.21x |
+| CPU, 1,000 (1 round) | 16.56 | 26.53 | 29.77 | 29.70 | 1.79x | 1.00x |
+
+The norm alone takes plain `jit` to 1.18x at 100 leaves on either compiler (ratios within
+rounds) and to 1.60x on XLA:CPU at 1,000 (on the H100s at 1,000 it cost nothing measurable in
+that round); the sharded optimizer with it to 1.17x-1.80x. Stage 1
+compiles as fast as the GSPMD ZeRO-1 peer that computes the same norm at 1,000 leaves and at
+1.21x-1.27x of it at 100: what is jaxdp's own is that last part (its reduce-scatters and
+gathers typed per parameter in `shard_map`, the bucket-by-bucket ordering of the gathers on
+GPUs, the padded shard views). The goal stays against plain `jit`, and stays unmet. The
+single rounds at 1,000 leaves differ from the table's medians (stage 1 on the H100s: 1.26x
+against 1.65x) by as much as single rounds on this shared machine vary.
+
+Two changes measured that session and dropped (8 compile-only H100s, stage 1, old against
+new in the same rounds): the end-of-step gathers as GSPMD reshardings (a
+sharding constraint to replicated) instead of a `shard_map` of per-parameter `all_gather`s, at
+200 leaves XLA compile 5.92 / 6.13 / 6.05 / 6.01 s against 6.01 / 6.25 / 5.76 / 5.91 (no
+change; XLA formed the same 4 combined all-gathers); and the gradient norm summed over
+concatenated chunks of about sqrt(N) parameters (XLA:GPU fuses a concatenation into the
+reduction that reads it; alone, on one compile-only H100, the squares of 1,000 arrays summed
+one by one and stacked compiled in 3.16 s, in chunks of 32 in 0.48 s), which in totals of
+init + lower + compile was faster at 100 leaves (4.25 / 3.71 / 3.69 /
+3.38 s against 4.51 / 3.99 / 4.44 / 3.78) but slower at 1,000 (56.1 / 48.3 / 58.6 / 56.3 /
+55.9 s against 47.3 / 52.0 / 52.7 / 55.6 / 49.3) and 2,000 (164.1 / 181.2 s against 152.4 /
+150.9), and no faster for the 12-layer GPT of section 11 (XLA compile 13.3 / 14.9 / 13.4 s
+against 13.9 / 12.7 / 13.7, though with 729 fusions instead of 905).
+
 *Stage 0* now all-reduces each parameter on its own on XLA:CPU (`jaxdp._per_param.AllReduceOps`):
 no bucket to pack, and no slice of a bucket fused into every optimizer update (a loop fusion
 with a `slice` costs XLA:CPU about 20 ms to emit against about 1 ms for an elementwise one;
