@@ -23,7 +23,11 @@ A second table isolates one cost of the step's shape: compile time against the n
 operands of one ``shard_map`` (:func:`shard_map_operands`), against plain ``jit`` and against
 the same work split into ``shard_map`` s of 100.
 
-Run: ``python bench/bench_compile.py [--quick]``.
+Run: ``python bench/bench_compile.py [--quick]``. One measurement in this process:
+``python bench/bench_compile.py --one cpu|h100 LAYERS VARIANT``, where VARIANT is ``stage0`` ...
+``stage3`` or a plain-``jit`` peer of :data:`PEERS`: ``plain`` (the table's), ``plain+norm``
+(also returning the gradient norm, as jaxdp's metrics do) or ``zero1+norm`` (the GSPMD ZeRO-1
+peer, which also does); BENCHMARKS §7 sets stage 1 against those two by hand.
 """
 
 from __future__ import annotations
