@@ -334,22 +334,26 @@ def operand_rows(counts: tuple[int, ...]) -> list[dict[str, float]]:
 
 
 def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict[str, Any]:
-    """Paired rounds of fresh processes: each round measures plain ``jit``, stage 0 and stage 1
-    once (in an order that rotates from round to round) and the ratios are taken within the
-    round, so that slow spells of a shared machine (identical fresh processes vary by +-15% here)
-    hit both sides of a ratio. Reported: the median ratio and the median seconds."""
+    """Paired rounds of fresh processes: each round measures plain ``jit``, its like-for-like
+    peers (:data:`PEERS`), stage 0 and stage 1 once (in an order that rotates from round to
+    round) and the ratios are taken within the round, so that slow spells of a shared machine
+    (identical fresh processes vary by +-15% here) hit both sides of a ratio. Reported: the
+    median ratio and the median seconds."""
     targets = ["cpu"]
     if _h100_mesh() is not None:
         targets.append("h100")
     names = {"cpu": "CPU (8 simulated devices)", "h100": "H100 x 8 (compile-only)"}
-    variants = ("plain", "stage0", "stage1")
+    variants = ("plain", "plain+norm", "zero1+norm", "stage0", "stage1")
+    # each stage against plain jit (the goal) and against its like-for-like peer
+    against = {"stage0": ("plain", "plain+norm"), "stage1": ("plain", "zero1+norm")}
     rows = []
     for target in targets:
         for layers in layer_counts:
             runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
             n_rounds = rounds if layers < 500 else big_rounds
             for r in range(n_rounds):
-                for v in variants[r % 3 :] + variants[: r % 3]:
+                k = r % len(variants)
+                for v in variants[k:] + variants[:k]:
                     runs[v].append(fresh(target, layers, v))
 
             def med(v: str, key: str | None = None, runs: Any = runs) -> float:
@@ -361,21 +365,29 @@ def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict
                 "rounds": n_rounds,
                 "plain": med("plain"),
                 "plain_compile": med("plain", "compile"),
+                "plain_norm": med("plain+norm"),
+                "zero1_norm": med("zero1+norm"),
             }
-            for name in ("stage0", "stage1"):
-                ratios = [
-                    _total(a) / _total(b) for a, b in zip(runs[name], runs["plain"], strict=True)
-                ]
+            for peer in ("plain+norm", "zero1+norm"):
+                row[f"{peer}_ratio"] = statistics.median(
+                    _total(a) / _total(b) for a, b in zip(runs[peer], runs["plain"], strict=True)
+                )
+            for name, (goal_peer, peer) in against.items():
+                for suffix, base in (("", goal_peer), ("_peer", peer)):
+                    ratios = [
+                        _total(a) / _total(b) for a, b in zip(runs[name], runs[base], strict=True)
+                    ]
+                    row[f"{name}{suffix}_ratios"] = ratios
+                    row[f"{name}{suffix}_ratio"] = statistics.median(ratios)
                 row[name] = med(name)
-                row[f"{name}_ratios"] = ratios
-                row[f"{name}_ratio"] = statistics.median(ratios)
                 for key in ("layout", "probe", "init", "lower", "compile", "slice_fusions"):
                     row[f"{name}_{key}"] = med(name, key)
             rows.append(row)
             print(
                 f"{row['target']:28s} {2 * layers:5d} leaves: plain {row['plain']:6.2f}s  "
                 f"stage0 {row['stage0']:6.2f}s ({row['stage0_ratio']:.2f}x)  "
-                f"stage1 {row['stage1']:6.2f}s ({row['stage1_ratio']:.2f}x)",
+                f"stage1 {row['stage1']:6.2f}s ({row['stage1_ratio']:.2f}x; "
+                f"{row['stage1_peer_ratio']:.2f}x of ZeRO-1 + norm)",
                 flush=True,
             )
     return {"rows": rows, "rounds": rounds, "big_rounds": big_rounds, "goal": GOAL}
@@ -403,9 +415,27 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append(
         f"\nProcess CPU seconds of `init` + lower + compile, each in a fresh process after a "
         f"warm-up compile; medians of {res['rounds']} rounds ({res['big_rounds']} at 1,000 "
-        "leaves), ratios taken within each round (plain jit, stage 0 and stage 1 run back to "
-        "back, in rotating order)."
+        "leaves), ratios taken within each round (plain jit, its two peers below, stage 0 and "
+        "stage 1 run back to back, in rotating order)."
     )
+    if res["rows"] and "zero1_norm" in res["rows"][0]:
+        lines += [
+            "",
+            "The same rounds against like-for-like peers: plain `jit` that also returns "
+            "`optax.global_norm` of its gradients (jaxdp's metrics carry `grad_norm`), and the "
+            'GSPMD ZeRO-1 peer (optimizer state sharded `P("data")`, params constrained back '
+            "to replicated) that also returns it:",
+            "",
+            "| compiler | leaves | plain jit s | plain jit + norm s | GSPMD ZeRO-1 + norm s "
+            "| stage 0 / plain jit + norm | stage 1 / GSPMD ZeRO-1 + norm |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in res["rows"]:
+            lines.append(
+                f"| {r['target']} | {r['leaves']} | {r['plain']:.2f} | {r['plain_norm']:.2f} "
+                f"| {r['zero1_norm']:.2f} | {r['stage0_peer_ratio']:.2f}x "
+                f"| {r['stage1_peer_ratio']:.2f}x |"
+            )
     if res.get("operands"):
         lines += [
             "",

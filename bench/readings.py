@@ -55,6 +55,16 @@ def compile_reading(res: dict[str, Any]) -> str:
         return ", ".join(f"{r['leaves']} leaves {pair(r)}" for r in rs)
 
     gpu_txt = listing(gpu) if gpu else "not measured (no gpu-aot extra)"
+
+    def peer_listing(key: str) -> str:
+        if not rows or key not in rows[0]:
+            return "not measured"
+        return ", ".join(
+            f"{'XLA:CPU' if r['target'].startswith('CPU') else 'H100s'} {r['leaves']} leaves "
+            f"{r[key]:.2f}x"
+            for r in rows
+        )
+
     goal = res.get("goal", 1.3)
     gpu_slices = (
         f"{gpu[-1]['stage0_slice_fusions']:.0f} slice fusions at {gpu[-1]['leaves']} leaves"
@@ -65,32 +75,23 @@ def compile_reading(res: dict[str, Any]) -> str:
 **Reading the numbers.** Goal (issue 21): at most {goal}x plain `jit`. XLA:CPU: {listing(cpu)};
 compile-only H100s (the program a GPU user compiles): {gpu_txt} (stage 0 / stage 1).
 
-*Against like-for-like peers.* jaxdp's step does two things plain `jit` does not: its metrics
-carry the gradient norm (`grad_norm`, which clipping reads), and stage 1 shards the optimizer.
-Either costs any implementation compile time. Measured by hand on 2026-11-28 (at `4dff011`)
-with `python bench/bench_compile.py --one TARGET LAYERS VARIANT` (`plain`, `plain+norm`: plain
-`jit` also returning `optax.global_norm` of its gradients, `zero1+norm`: the GSPMD ZeRO-1 peer,
-optimizer state sharded `P("data")`, also returning the norm, `stage1`), init + lower +
-compile in process CPU seconds, one fresh process each, the variants in rotating order:
+*Against like-for-like peers* (the second table): jaxdp's step does two things plain `jit`
+does not. Its metrics carry the gradient norm (`grad_norm`, which clipping reads), and stage 1
+shards the optimizer; either costs any implementation compile time. Plain `jit` that also
+returns the norm: {peer_listing("plain+norm_ratio")} of plain `jit`; the GSPMD ZeRO-1 peer that
+also returns it: {peer_listing("zero1+norm_ratio")}. Stage 1 against that peer:
+{peer_listing("stage1_peer_ratio")}; stage 0 against plain `jit` + norm:
+{peer_listing("stage0_peer_ratio")}. What stage 1 costs beyond its peer is jaxdp's own (its
+reduce-scatters and gathers typed per parameter in `shard_map`, the padded shard views; the
+bucket-by-bucket ordering of the gathers on GPUs measured nothing at 100 leaves: 2.87 / 2.98 /
+3.13 / 3.24 s with it, 2.91 / 3.00 / 3.25 / 2.84 without, by hand on 2026-11-28). The goal
+stays against plain `jit`. A hand-built step at 200 leaves on the H100s (2026-11-28, XLA
+compile, medians of 4 rounds) put the norm first: plain `jit` 3.92 s, the GSPMD ZeRO-1 peer
+without a norm 3.81, jaxdp's structure (gradients in `shard_map`, a `psum_scatter` per
+parameter, the sharded AdamW, the gathers) without a norm 3.88, the same with
+`optax.global_norm` 5.30, jaxdp stage 1 5.76.
 
-| compiler, leaves | plain jit | + norm | GSPMD ZeRO-1 + norm | stage 1 | / plain | / ZeRO-1+norm |
-|---|---:|---:|---:|---:|---:|---:|
-| H100 x 8, 100 (medians of 4 rounds) | 2.94 | 3.61 | 3.41 | 4.20 | 1.46x | 1.27x |
-| H100 x 8, 1,000 (1 round) | 39.90 | 40.11 | 52.48 | 50.36 | 1.26x | 0.96x |
-| CPU, 100 (medians of 4 rounds) | 1.76 | 2.15 | 2.21 | 2.75 | 1.52x | 1.21x |
-| CPU, 1,000 (1 round) | 16.56 | 26.53 | 29.77 | 29.70 | 1.79x | 1.00x |
-
-The norm alone takes plain `jit` to 1.18x at 100 leaves on either compiler (ratios within
-rounds) and to 1.60x on XLA:CPU at 1,000 (on the H100s at 1,000 it cost nothing measurable in
-that round); the sharded optimizer with it to 1.17x-1.80x. Stage 1
-compiles as fast as the GSPMD ZeRO-1 peer that computes the same norm at 1,000 leaves and at
-1.21x-1.27x of it at 100: what is jaxdp's own is that last part (its reduce-scatters and
-gathers typed per parameter in `shard_map`, the bucket-by-bucket ordering of the gathers on
-GPUs, the padded shard views). The goal stays against plain `jit`, and stays unmet. The
-single rounds at 1,000 leaves differ from the table's medians (stage 1 on the H100s: 1.26x
-against 1.65x) by as much as single rounds on this shared machine vary.
-
-Two changes measured that session and dropped (8 compile-only H100s, stage 1, old against
+Two changes measured by hand on 2026-11-28 and dropped (8 compile-only H100s, stage 1, old against
 new in the same rounds): the end-of-step gathers as GSPMD reshardings (a
 sharding constraint to replicated) instead of a `shard_map` of per-parameter `all_gather`s, at
 200 leaves XLA compile 5.92 / 6.13 / 6.05 / 6.01 s against 6.01 / 6.25 / 5.76 / 5.91 (no
