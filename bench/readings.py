@@ -57,8 +57,6 @@ def compile_reading(res: dict[str, Any]) -> str:
     gpu_txt = listing(gpu) if gpu else "not measured (no gpu-aot extra)"
 
     def peer_listing(key: str) -> str:
-        if not rows or key not in rows[0]:
-            return "not measured"
         return ", ".join(
             f"{'XLA:CPU' if r['target'].startswith('CPU') else 'H100s'} {r['leaves']} leaves "
             f"{r[key]:.2f}x"
