@@ -262,21 +262,25 @@ elements (144 kernels, 14.5-16.1 s: the offsets still vary, and pads were added)
 experiment only, ordering the first gather after the loss instead of the norm (XLA then folds
 the norm's sums into the updates as at `jit`: 127 kernels, 15.9 s).
 
-Two more were measured on 2026-11-28 (`a081307`, 8 compile-only H100s, stage 1, XLA compile
+Three more were measured on 2026-11-28 (`a081307`, 8 compile-only H100s, stage 1, XLA compile
 only: the lowered step compiled 3 times in one process and the least kept, one process per
 variant, variants alternating in rounds; 4 rounds at 100 leaves, 3 at 1,000 with one compile
 each; this machine's speed swung 1.6x between rounds, so only ratios within a round count).
 Summing the norm over one concatenation of every reduced shard instead of one reduction per
-parameter compiled 100 fewer kernels at 100 leaves (361 fusions against 460) and took
-0.92x the XLA compile at 100 leaves (medians 2.84 against 3.07 s) and 0.82-0.92x at 1,000
-(50.7-56.6 against 55.4-67.9 s). XLA:GPU does not fuse a concatenation of that many operands
-into its reduction: it writes a copy of every reduced shard (2/dp gradient volumes), the
-gradient concatenation that the goal of section 11 rules out at stages 1-2; in chunks small
-enough to fuse (above) it compiled slower than per parameter at 1,000 leaves. Dropped. Gathering the new params without waiting for the norm (no ordering at
-all) took 0.80-0.91x the XLA compile at 1,000 leaves, but XLA then starts every gather first
-and keeps a full second copy of the params in temporaries (the test of the end-of-step
-gathers); kept. With no norm at all stage 1 compiled in 1.24-1.31x plain `jit` at 100 leaves
-against 1.50-1.54x with it (medians of the rounds): the norm is about half the gap there.
+parameter compiled 100 fewer kernels at 100 leaves (361 fusions against 460) and took 0.92x the
+XLA compile at 100 leaves (medians 2.84 against 3.07 s) and 0.82-0.92x at 1,000 (50.7-56.6
+against 55.4-67.9 s). XLA:GPU does not fuse a concatenation of that many operands into its
+reduction: it writes a copy of every reduced shard (2/dp gradient volumes), the gradient
+concatenation that the goal of section 11 rules out at stages 1-2; in chunks small enough to
+fuse (above) it compiled slower than per parameter at 1,000 leaves. Dropped. So was one
+variadic reduction per shape of shard (up to 32 operands each, no concatenation; 364 fusions at
+100 leaves): no faster than per parameter (round medians 1.75x against 1.68x plain `jit`), so
+the kernel count is not what costs. Gathering the new params without waiting for the norm (no
+ordering at all) took 0.80-0.91x the XLA compile at 1,000 leaves, but XLA then starts every
+gather first and keeps a full second copy of the params in temporaries (the test of the
+end-of-step gathers); kept. With no norm at all stage 1 compiled in 1.24-1.31x plain `jit` at
+100 leaves against 1.50-1.54x with it (medians of the rounds): the norm is about half the gap
+there.
 
 The optimizer probe in `init` (three optimizer steps on small probe tensors, to refuse
 optimizers that would change when sharded) does not run for this AdamW: a chain made only of
