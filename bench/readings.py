@@ -82,8 +82,9 @@ also returns it: {peer_listing("zero1+norm_ratio")}. Stage 1 against that peer:
 {peer_listing("stage0_peer_ratio")}. What stage 1 costs beyond its peer is jaxdp's own (its
 reduce-scatters and gathers typed per parameter in `shard_map`, the padded shard views; the
 bucket-by-bucket ordering of the gathers on GPUs measured nothing at 100 leaves: 2.87 / 2.98 /
-3.13 / 3.24 s with it, 2.91 / 3.00 / 3.25 / 2.84 without, by hand on 2026-11-28). The goal
-stays against plain `jit`. A hand-built step at 200 leaves on the H100s (2026-11-28, XLA
+3.13 / 3.24 s with it, 2.91 / 3.00 / 3.25 / 2.84 without, by hand on 2026-11-28; at 1,000
+leaves it took 9-20% of the XLA compile, below). The goal stays against plain `jit`. A
+hand-built step at 200 leaves on the H100s (2026-11-28, XLA
 compile, medians of 4 rounds) put the norm first: plain `jit` 3.92 s, the GSPMD ZeRO-1 peer
 without a norm 3.81, jaxdp's structure (gradients in `shard_map`, a `psum_scatter` per
 parameter, the sharded AdamW, the gathers) without a norm 3.88, the same with
