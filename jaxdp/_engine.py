@@ -37,7 +37,7 @@ from ._state import TrainState
 from ._state_build import build_state, per_leaf_plan
 from ._step import _batch_signature, _Step
 from ._update import optimizer_update
-from ._xla_flags import engine_compiler_options
+from ._xla_flags import engine_compiler_options, with_passes_off
 from ._zero3_scan import warn_if_undetected
 
 __all__ = ["DataParallel", "TrainState"]
@@ -67,7 +67,10 @@ class DataParallel:
             size (the combine thresholds that keep buckets apart, the latency-hiding
             scheduler), less the options ``XLA_FLAGS`` names; nothing on other platforms.
             A dict: exactly those options. Unlike :func:`jaxdp.apply_xla_flags` this works
-            after the backend has started, and only for the step (README "XLA flags").
+            after the backend has started, and only for the step (README "XLA flags"). In
+            every case the step also compiles without the XLA passes its collectives need
+            off (stage 0 on GPUs: ``xla_disable_hlo_passes=all-reduce-contiguous``, added to
+            any passes already named; :mod:`jaxdp._per_param`).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -353,7 +356,8 @@ class DataParallel:
                 self._step_fn,
                 donate_argnums=(0,) if self.donate else (),
                 out_shardings=out,
-                compiler_options=self.compiler_options,
+                # merged with the XLA passes the plan's collectives need off (Plan.passes_off)
+                compiler_options=with_passes_off(self.compiler_options, self.plan.passes_off),
             )
             self._step = _Step(self, jitted)
         return self._step

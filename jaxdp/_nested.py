@@ -99,6 +99,11 @@ class PlainOps:
             sq = sq + jax.lax.psum(jnp.sum(jnp.stack(expert)), self.group.expert_axis)
         return sq
 
+    def passes_off(self) -> tuple[str, ...]:
+        """XLA passes the step must compile without for these collectives (none here; see
+        :meth:`jaxdp._per_param.AllReduceOps.passes_off`)."""
+        return ()
+
     def group_sum(self, x: jax.Array) -> jax.Array:
         """Sum a per-rank value over the group (ordered with ``deterministic_reduction``)."""
         return metric_sum(x, self.config, self.axis)

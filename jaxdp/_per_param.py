@@ -17,17 +17,20 @@ same sums over the same ranks). The all_to_all modes (``reduce_scatter_with_fp32
 ``deterministic_reduction``) and ``bucket_layout="megatron"`` keep explicit buckets
 (:func:`per_parameter_collectives`).
 
-Stage 0 on XLA:CPU all-reduces per parameter the same way (:class:`AllReduceOps`,
-:func:`per_parameter_all_reduce`): there the bucketed path's cost is compile time (a slice of
-a bucket fused into every optimizer update); on GPUs stage 0 keeps its buckets, because
-XLA:GPU copies a combined all-reduce's operands into one buffer and back, except with one
-rank, where there is no all-reduce to combine.
+Stage 0 all-reduces per parameter the same way (:class:`AllReduceOps`,
+:func:`per_parameter_all_reduce`): no bucket to pack before the ``psum`` and none to slice
+into every optimizer update after it. On GPUs this needs one XLA pass off for the step
+(:data:`PASSES_OFF`, which :meth:`AllReduceOps.passes_off` asks for and the engine merges into
+the step's compiler options): ``all-reduce-contiguous`` copies the operands of every combined
+all-reduce into one buffer and the results back out, the very pack and unpack. Without it
+XLA:GPU's all-reduce is one NCCL group call over the separate buffers, as its reduce-scatter
+and all-gather already are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +44,7 @@ from ._nested import PlainOps
 from ._order import after
 
 __all__ = [
+    "PASSES_OFF",
     "AllReduceOps",
     "PerParamOps",
     "gather_leaves",
@@ -61,22 +65,30 @@ def per_parameter_collectives(config: DDPConfig, layout: BucketLayout) -> bool:
     )
 
 
-def per_parameter_all_reduce(
-    config: DDPConfig, layout: BucketLayout, platform: str, dp_size: int
-) -> bool:
+#: XLA passes a step that all-reduces per parameter on GPUs compiles without: XLA:GPU's
+#: ``AllReduceContiguous`` rewrites every combined (variadic) all-reduce into a concatenation
+#: of its operands, one all-reduce and a slice per result. Compiled for 8 H100s, the 100.7M GPT
+#: of BENCHMARKS section 11 moves 46.86 gradient volumes per step with it (fp32 wire 49.86),
+#: 44.86 (45.86) without it, and 45.44 (46.94) with packed buckets. No flag turns it off in
+#: jaxlib 0.10.2 but the generic ``xla_disable_hlo_passes``, which a compile takes per program.
+PASSES_OFF: Final = ("all-reduce-contiguous",)
+
+
+def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout) -> bool:
     """Whether a stage-0 engine with params whole on each device all-reduces per parameter:
-    a ``psum`` on the wire (the all_to_all modes reduce-scatter explicit, padded buckets), on
-    XLA:CPU, and with one rank anywhere. XLA:GPU runs ``AllReduceContiguous`` on every
-    combined all-reduce (no flag turns it off in jaxlib 0.10.2): it copies the operands into
-    one buffer and back, the very pack and unpack, and not fused into the gradients'
-    producers and the update as jaxdp's are (compiled for 8 H100s, 100.7M GPT: 47.26
-    gradient volumes per parameter against the bucketed 45.34). With one rank there is no
-    collective, and packing buckets would only add copies for XLA to compile (one
-    compile-only H100, 12-layer GPT: 16.9 s to lower and compile with buckets, 14.6 s
-    without, medians of four rounds)."""
+    a ``psum`` on the wire (the all_to_all modes reduce-scatter explicit, padded buckets) over
+    the contiguous layout without scanned stacks. On every platform: on GPUs with
+    :data:`PASSES_OFF` for the step (:meth:`AllReduceOps.passes_off`).
+
+    Compiled for 8 H100s (XLA compile, least of three in one process, rounds alternating with
+    the bucketed path): a 100-leaf MLP 2.08 s against the buckets' 2.62 (plain ``jit`` 1.80),
+    since the updates no longer read slices of a bucket at their own offsets, which XLA's
+    multi-output fusion had merged into a few large kernels, each compiled on its own (1,000
+    leaves: 20 GPU modules against the buckets' 88 and plain ``jit``'s 17); the 100.7M GPT
+    moves 44.86 gradient volumes per step against the buckets' 45.44 (fp32 wire 45.86 against
+    46.94), with no gradient concatenation."""
     return (
-        (platform == "cpu" or dp_size == 1)
-        and layout.kind == "contiguous"
+        layout.kind == "contiguous"
         and not layout.stacked
         and not config.reduce_scatter_with_fp32_accumulation
         and not config.deterministic_reduction
@@ -153,15 +165,21 @@ class _PerParameter(PlainOps):
 
 
 class AllReduceOps(_PerParameter):
-    """Stage 0 with one all-reduce per parameter, combined by XLA (XLA:CPU only, see
-    :func:`per_parameter_all_reduce`).
+    """Stage 0 with one all-reduce per parameter, combined by XLA
+    (:func:`per_parameter_all_reduce`).
 
     The bucketed path packs every gradient into its bucket before the ``psum`` and slices each
     one back out afterwards; XLA fuses those slices into the optimizer's updates, and on
     XLA:CPU a loop fusion with a slice costs about 20x an elementwise one to compile (1,000
-    leaves: 2,000 such fusions). Here each gradient is reduced flattened, as it is (a bitcast,
-    no padding: an all-reduce needs none), so there is neither a pack nor an unpack. The sums
-    are the bucketed path's, elementwise."""
+    leaves: 2,000 such fusions), while on GPUs the updates, each at its own offset of a
+    bucket, are no two the same kernel. Here each gradient is reduced flattened, as it is (a
+    bitcast, no padding: an all-reduce needs none), so there is neither a pack nor an unpack.
+    The sums are the bucketed path's, elementwise."""
+
+    def passes_off(self) -> tuple[str, ...]:
+        """:data:`PASSES_OFF` on GPUs with more than one rank (XLA:CPU has no such pass, and
+        with one rank there is no all-reduce)."""
+        return PASSES_OFF if self.group.platform != "cpu" and self.group.size > 1 else ()
 
     def numels(self, sharded: bool) -> list[int]:
         return [s.size for s in self.layout.slots]

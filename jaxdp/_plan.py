@@ -135,6 +135,12 @@ class Plan:
     strategy: Strategy
     finds_stacks: bool = False
 
+    @property
+    def passes_off(self) -> tuple[str, ...]:
+        """XLA passes the step compiles without: those its collectives need off
+        (:meth:`jaxdp._per_param.AllReduceOps.passes_off`)."""
+        return self.strategy.ops.passes_off()
+
 
 def read_sharding(
     params: Any, group: ReductionGroup, config: DDPConfig, param_specs: Any, previous: Plan | None
@@ -184,17 +190,14 @@ def _ops(
     """The gradient / param collectives' operations: nested regions when some parameter is
     split over an axis the step is not manual over (tensor parallelism); per parameter at
     stages 1-2 where :func:`jaxdp._per_param.per_parameter_collectives` allows it, and at
-    stage 0 where :func:`jaxdp._per_param.per_parameter_all_reduce` does (XLA:CPU, or one
-    rank); else per bucket."""
+    stage 0 where :func:`jaxdp._per_param.per_parameter_all_reduce` does; else per bucket."""
     if sharding.auto_axes:
         return NestedOps(layout, config, group, sharding)
     if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
         return PerParamOps(layout, config, group, sharding)
     if config.zero_stage == 3 and reduces_per_parameter(config, layout):
         return PerParamOps(layout, config, group, sharding)
-    if config.zero_stage == 0 and per_parameter_all_reduce(
-        config, layout, group.platform, group.size
-    ):
+    if config.zero_stage == 0 and per_parameter_all_reduce(config, layout):
         return AllReduceOps(layout, config, group, sharding)
     return PlainOps(layout, config, group, sharding)
 

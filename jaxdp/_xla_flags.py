@@ -328,6 +328,30 @@ def engine_compiler_options(
     return opts or None
 
 
+def with_passes_off(opts: dict[str, Any] | None, passes: tuple[str, ...]) -> dict[str, Any] | None:
+    """``opts`` with the XLA passes ``passes`` added to ``xla_disable_hlo_passes``.
+
+    Merged, not replaced: the passes ``opts`` already turns off, or else those ``XLA_FLAGS``
+    does (a per-program option takes the place of the flag's whole list), stay off.
+
+    Example:
+        >>> with_passes_off({"xla_disable_hlo_passes": "cse"}, ("all-reduce-contiguous",))
+        {'xla_disable_hlo_passes': 'cse,all-reduce-contiguous'}
+        >>> with_passes_off(None, ()) is None
+        True
+    """
+    if not passes:
+        return opts
+    key = "xla_disable_hlo_passes"
+    if opts and key in opts:
+        given = str(opts[key])
+    else:
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        given = next((f.split("=", 1)[1] for f in flags if f.startswith(f"--{key}=")), "")
+    names = [n for n in given.split(",") if n]
+    return {**(opts or {}), key: ",".join(names + [p for p in passes if p not in names])}
+
+
 def _backend_started() -> bool:
     if "jax" not in sys.modules:
         return False

@@ -81,14 +81,14 @@ def test_one_overlapped_collective_per_bucket(mesh, stage, mode, g):
     assert n == 4
     kind, wire = grad_kind(stage, mode), MODES[mode][1]
 
-    # Bucketed (stage 0 on GPUs, the all_to_all mode): one collective per bucket per step in
-    # the straight-line region (the last micro-batch), none combined: every collective of the
-    # gradient kind is exactly one bucket. Per parameter (stages 1-2 otherwise): XLA's
-    # combiner groups the parameters' collectives into groups of at most one bucket.
+    # Bucketed (the all_to_all mode): one collective per bucket per step in the straight-line
+    # region (the last micro-batch), none combined: every collective of the gradient kind is
+    # exactly one bucket. Per parameter (otherwise; stage 0 all-reduces): XLA's combiner
+    # groups the parameters' collectives into groups of at most one bucket.
     # Stage 2 with G > 1 reduce-scatters inside every micro-batch's backward: all of them run
     # in the scan (none peeled out, Kernel.peel_last), so its collectives are the loop body's.
     per_param = dp.plan.strategy.reduces_per_parameter
-    assert per_param == (stage > 0 and mode != "megatron")
+    assert per_param == (mode != "megatron")
     looped = stage == 2 and g > 1
     entry_grads = gradient_collectives(report, dp)
     in_loop = [c for c in gradient_collectives(report, dp, entry_only=False) if not c.entry]
@@ -294,12 +294,13 @@ def test_step_lowers_from_eval_shape_state(mesh):
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_one_rank_packs_and_orders_nothing(mesh, stage):
-    """With one rank there is no collective: stage 0 all-reduces per parameter (no bucket
-    packing, as on XLA:CPU) and stage 1 does not order its (absent) gathers after the gradient
-    norm, so the program has no bitwise OR; on 8 H100s both stay. Each only added copies for
-    XLA to compile (one compile-only H100, 12-layer GPT, lower + compile: stage 0 16.9 s ->
-    14.6 s, medians of four rounds)."""
-    from jaxdp._per_param import AllReduceOps, PerParamOps
+    """Stage 0 all-reduces per parameter (no bucket packing) on any number of ranks, with
+    XLA's ``all-reduce-contiguous`` off where there is an all-reduce (more than one rank);
+    stage 1 does not order its (absent) gathers after the gradient norm with one rank, so the
+    program has no bitwise OR, and on 8 H100s it does. With one rank, buckets and ordering
+    only added copies for XLA to compile (one compile-only H100, 12-layer GPT, lower +
+    compile: stage 0 16.9 s -> 14.6 s, medians of four rounds)."""
+    from jaxdp._per_param import PASSES_OFF, AllReduceOps, PerParamOps
     from jaxdp.aot import h100_mesh
 
     loss_fn, params, batch = example_mlp(LAYERS, WIDTH, batch=64)
@@ -309,10 +310,49 @@ def test_one_rank_packs_and_orders_nothing(mesh, stage):
         text = compile_step(dp, params, batch).as_text()
         ops, one = dp.plan.strategy.ops, m.size == 1
         if stage == 0:
-            assert isinstance(ops, AllReduceOps) is one
+            assert isinstance(ops, AllReduceOps)
+            assert dp.plan.passes_off == (() if one else PASSES_OFF)
         else:
             assert isinstance(ops, PerParamOps) and ops.ordered is not one
+            assert dp.plan.passes_off == ()
             assert (re.search(r" or\(", text) is None) is one
+
+
+@pytest.mark.parametrize(
+    ("extra", "options"),
+    [
+        ({}, None),
+        ({"param_dtype": "bfloat16"}, "jaxdp"),
+        (
+            {"param_dtype": "bfloat16", "grad_reduce_in_fp32": True},
+            {"xla_disable_hlo_passes": "cse"},
+        ),
+    ],
+    ids=["fp32-default", "bf16-wire-jaxdp", "fp32-wire-dict"],
+)
+def test_stage0_all_reduces_without_a_gradient_copy(mesh, extra, options):
+    """Stage 0 on GPUs all-reduces each parameter on its own, and the step compiles with
+    XLA's ``all-reduce-contiguous`` off whatever options it is given (merged into a dict that
+    names other passes): XLA combines the all-reduces into groups of separate buffers, and
+    nothing packs the gradients into a bucket, slices them out of one, or copies them into a
+    combined all-reduce's buffer (the pass's rewrite). 100 parameters, one bucket's worth."""
+    from jaxdp._per_param import AllReduceOps
+
+    loss_fn, params, batch = example_mlp(50, 64, batch=64)
+    cfg = DDPConfig(zero_stage=0, **extra)
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh, compiler_options=options)
+    text = compile_step(dp, params, batch, compiler_options=options).as_text()
+    assert isinstance(dp.plan.strategy.ops, AllReduceOps)
+    entry = text[text.index("\nENTRY") :]
+    assert "concatenate" not in text and " slice(" not in text
+    results = [
+        line.split(" all-reduce-start(")[0].split(" = ", 1)[1]
+        for line in entry.split("\n")
+        if " all-reduce-start(" in line
+    ]
+    sizes = [int(n) for shape in results for n in re.findall(r"\[(\d+)\]", shape)]
+    # every parameter all-reduced as it is, flattened (the loss's scalar has no dimension)
+    assert sorted(sizes) == sorted(s.size for s in dp.layout.slots), results
 
 
 @pytest.mark.parametrize(
@@ -320,9 +360,10 @@ def test_one_rank_packs_and_orders_nothing(mesh, stage):
     [({}, "f32"), ({"param_dtype": "bfloat16", "grad_reduce_in_fp32": True}, "f32")],
     ids=["fp32", "fp32-wire"],
 )
-def test_stage0_bucket_is_written_once(mesh, extra, wire):
-    """Stage 0 on GPUs packs its buckets, and a bucket of 100 parameters (one bucket: the
-    default bucket size) is written once, by the pack, on its way to its all-reduce:
+def test_stage0_bucket_is_written_once(mesh, monkeypatch, extra, wire):
+    """Stage 0's packed buckets (the path before per-parameter all-reduces, forced here;
+    ``jaxdp._per_param.per_parameter_all_reduce``): a bucket of 100 parameters (one bucket:
+    the default bucket size) is written once, by the pack, on its way to its all-reduce:
 
     * the 1/dp pre-scaling is done gradient by gradient before the pack
       (``jaxdp._reduce.Unpacked``): XLA:GPU fuses nothing into a concatenation of that many
@@ -330,6 +371,9 @@ def test_stage0_bucket_is_written_once(mesh, extra, wire):
     * the loss's ``psum`` waits for the bucket's all-reduce (``ReduceAtEnd.order_metrics``),
       so XLA does not combine the two, which XLA:GPU does by copying both into one buffer and
       the sum back out (``bucket + 1`` elements on the wire)."""
+    import jaxdp._plan as plan_module
+
+    monkeypatch.setattr(plan_module, "per_parameter_all_reduce", lambda *a: False)
     loss_fn, params, batch = example_mlp(50, 64, batch=64)
     dp = DataParallel(loss_fn, optax.adamw(1e-3), DDPConfig(zero_stage=0, **extra), mesh=mesh)
     text = compile_step(dp, params, batch).as_text()

@@ -231,9 +231,10 @@ def per_param_and_bucketed(monkeypatch, switch, mesh, cfg, opt, params, batches)
 )
 @pytest.mark.parametrize("dp_size", [8, 6])
 def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra, dp_size):
-    """Stage 0 all-reduces each parameter on XLA:CPU and packed buckets on GPUs
-    (jaxdp._per_param.per_parameter_all_reduce). The GPU's path runs here too, forced: the
-    same elementwise sums, so the same params bit for bit, and both held to the reference."""
+    """Stage 0 all-reduces each parameter (jaxdp._per_param.per_parameter_all_reduce; on GPUs
+    with XLA's all-reduce-contiguous off), where it used to pack buckets. The packed buckets
+    run here too, forced: the same elementwise sums, so the same params bit for bit, and both
+    held to the reference."""
     from jaxdp import make_mesh
 
     params, batches = data
@@ -268,8 +269,9 @@ def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra,
          "ordered-3-6", "per-token-1-8"],
 )  # fmt: skip
 def test_stage0_unpacked_buckets_match_packed(data, monkeypatch, g, extra, dp_size):
-    """Stage 0's packed buckets (GPUs) take the collective's elementwise work (the cast to the
-    wire dtype, the pre-scaling) gradient by gradient before packing where a bucket holds more
+    """Stage 0's packed buckets (forced here; the all_to_all modes keep them) take the
+    collective's elementwise work (the cast to the wire dtype, the pre-scaling) gradient by
+    gradient before packing where a bucket holds more
     than ``jaxdp._reduce.UNPACKED_OVER`` parameters (``jaxdp._reduce.Unpacked``). Forced for
     every bucket here: the same params and norms bit for bit as packing first, in every wire
     mode, and held to the reference."""

@@ -24,7 +24,7 @@ ref, ref_norms = reference_train(mse_loss, opt, params, batches)
 out = {}
 runs = [(stage, 2, False) for stage in (0, 1, 2, 3)] + [(0, 1, True)]
 for stage, g, bucketed in runs:
-    if bucketed:  # stage 0's GPU path: packed buckets, every one scaled gradient by gradient
+    if bucketed:  # stage 0's packed buckets (forced), every one scaled gradient by gradient
         plan.per_parameter_all_reduce = lambda *a: False
         import jaxdp._nested as nested
         nested.UNPACKED_OVER = 0

@@ -18,6 +18,7 @@ from jaxdp._xla_flags import (
     combine_thresholds,
     engine_compiler_options,
     flag_available,
+    with_passes_off,
     xla_compiler_options,
     xla_flags,
 )
@@ -165,6 +166,23 @@ def test_engine_compiler_options_resolve(monkeypatch):
         engine_compiler_options("fast", cfg, dp_size=4, platform="gpu")
     with pytest.raises(TypeError, match=r"compiler_options has key 3"):
         engine_compiler_options({3: True}, cfg, dp_size=4, platform="gpu")
+
+
+def test_passes_off_are_merged_not_replaced(monkeypatch):
+    """The XLA passes a step needs off (stage 0 on GPUs: jaxdp._per_param.PASSES_OFF) are
+    added to those the given options, or else XLA_FLAGS, already turn off: a per-program
+    ``xla_disable_hlo_passes`` replaces the flag's whole list."""
+    off = ("all-reduce-contiguous",)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert with_passes_off(None, ()) is None
+    assert with_passes_off({"a": 1}, ()) == {"a": 1}
+    assert with_passes_off(None, off) == {"xla_disable_hlo_passes": "all-reduce-contiguous"}
+    key = "xla_disable_hlo_passes"
+    assert with_passes_off({key: "cse", "a": 1}, off) == {key: "cse,all-reduce-contiguous", "a": 1}
+    assert with_passes_off({key: "all-reduce-contiguous"}, off) == {key: "all-reduce-contiguous"}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=cse,dce --xla_dump_to=/tmp/x")
+    assert with_passes_off({"a": 1}, off) == {"a": 1, key: "cse,dce,all-reduce-contiguous"}
+    assert with_passes_off({key: "cse"}, off) == {key: "cse,all-reduce-contiguous"}
 
 
 def test_untabled_jaxlib_options_are_asked_of_its_xla(monkeypatch):

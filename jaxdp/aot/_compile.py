@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._engine import DataParallel
-from .._xla_flags import xla_compiler_options
+from .._xla_flags import with_passes_off, xla_compiler_options
 from ._report import Collective, ScheduleReport
 
 __all__ = [
@@ -121,7 +121,9 @@ def compile_step(
         opts: dict[str, Any] | None = xla_compiler_options(dp.config, dp_size=dp.dp)
     else:
         opts = compiler_options
-    state = abstract_state(dp, params, batch)
+    state = abstract_state(dp, params, batch)  # builds the plan
+    if opts:  # these win over the engine's: keep the passes its collectives need off
+        opts = with_passes_off(opts, dp.plan.passes_off)
     with warnings.catch_warnings():
         # Donation is meaningless without buffers; the lowering warns about unusable ones.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
