@@ -64,11 +64,6 @@ def compile_reading(res: dict[str, Any]) -> str:
         )
 
     goal = res.get("goal", 1.3)
-    gpu_slices = (
-        f"{gpu[-1]['stage0_slice_fusions']:.0f} slice fusions at {gpu[-1]['leaves']} leaves"
-        if gpu
-        else "its slice fusions"
-    )
     return f"""\
 **Reading the numbers.** Goal (issue 21): at most {goal}x plain `jit`. XLA:CPU: {listing(cpu)};
 compile-only H100s (the program a GPU user compiles): {gpu_txt} (stage 0 / stage 1).
@@ -104,14 +99,21 @@ init + lower + compile was faster at 100 leaves (4.25 / 3.71 / 3.69 /
 150.9), and no faster for the 12-layer GPT of section 11 (XLA compile 13.3 / 14.9 / 13.4 s
 against 13.9 / 12.7 / 13.7, though with 729 fusions instead of 905).
 
-*Stage 0* now all-reduces each parameter on its own on XLA:CPU (`jaxdp._per_param.AllReduceOps`):
-no bucket to pack, and no slice of a bucket fused into every optimizer update (a loop fusion
-with a `slice` costs XLA:CPU about 20 ms to emit against about 1 ms for an elementwise one;
-the bucketed step had 2,000 of them at 1,000 leaves, 3.9x plain `jit`). On GPUs stage 0 keeps
-its buckets: XLA:GPU's `AllReduceContiguous` copies the operands of every combined all-reduce
-into one buffer and back (no flag turns it off in jaxlib 0.10.2), which on the 100.7M GPT of
-section 11 costs 47.26 gradient volumes per step against the bucketed 45.34, and the GPU
-compiler emits {gpu_slices} cheaply.
+*Stage 0* all-reduces each parameter on its own (`jaxdp._per_param.AllReduceOps`): no bucket
+to pack, and no slice of a bucket fused into every optimizer update. On XLA:CPU a loop fusion
+with a `slice` costs about 20 ms to emit against about 1 ms for an elementwise one (the
+bucketed step had 2,000 of them at 1,000 leaves, 3.9x plain `jit`). On GPUs the step compiles
+with XLA's `all-reduce-contiguous` pass off (`jaxdp._per_param.PASSES_OFF`, merged into
+whatever options the step is given), which copies the operands of every combined all-reduce
+into one buffer and back; no flag turns it off in jaxlib 0.10.2, but the per-program
+`xla_disable_hlo_passes` option does. Until `d9e9437` GPUs kept the buckets, and their
+updates read slices of a bucket at their own offsets: XLA's multi-output fusion merged them
+into a few large kernels, no two the same, each compiled on its own (1,000 leaves: 88 GPU
+modules, against 20 per parameter and 17 for plain `jit`). Measured on 2026-11-28 (8
+compile-only H100s, XLA compile, least of three in one process, variants alternating in 3
+rounds): at 100 leaves per parameter 2.08 s (medians) against the buckets' 2.62 and plain
+`jit`'s 1.80; the 100.7M GPT of section 11 moves 44.86 gradient volumes per step per
+parameter, 45.44 with buckets, and 46.86 per parameter with the pass on.
 
 *Stage 1* reduce-scatters and gathers each parameter (no slice fusions either), and on
 XLA:CPU, which runs collectives one at a time in program order, it no longer chains the
@@ -140,13 +142,11 @@ Stage 0 at 1,000 leaves (XLA:CPU, one fresh process each, at `e605931`): its XLA
 +1.2 s) and the CPU backend +0.5 s. Shardy's cost grows faster than the number of `shard_map`
 operands: running stage 0's optimizer update inside the `shard_map` as well (replicated, so the
 same numbers; 4,000 operands and 3,000 results instead of 1,000 and 1,000) took that compile to
-31.6 s (Shardy 15.8 s), so the update stays outside. Compiled for 8 H100s at 100 leaves, stage 0
-has 27 distinct kernels against plain `jit`'s 15: its updates read their gradients as slices of
-the all-reduced bucket, and XLA's sibling fusion merges them into a few large multi-output
-kernels that differ in their slice offsets. Reading the slices at offsets passed in at run time
-(`dynamic_slice`) made those kernels identical but not the compile faster (2.35-2.38 s against
-2.31-2.32 s), and copying the slices out first (plain `jit`'s way) would cost a pass over the
-gradients on every step.
+31.6 s (Shardy 15.8 s), so the update stays outside. With buckets on GPUs (before `d9e9437`),
+compiled for 8 H100s at 100 leaves, stage 0 had 27 distinct kernels against plain `jit`'s 15.
+Reading the slices at offsets passed in at run time (`dynamic_slice`) made those kernels
+identical but not the compile faster (2.35-2.38 s against 2.31-2.32 s), and copying the
+slices out first (plain `jit`'s way) would have cost a pass over the gradients every step.
 
 Stage 3's compile, compiled for 8 H100s (the 100.7M GPT of section 11, `G = 1`): at `620a004`
 20.1 s against 10.5 s for the GSPMD FSDP peer with the same remat rule, the programs the same
@@ -388,17 +388,19 @@ def traffic_reading(res: dict[str, Any]) -> str:
             f" Stage 3's peak is {s3['peak GiB']:.2f} GiB against the sharded peer's "
             f"{sharded['peak GiB']:.2f} (goal: at most it, {ok})."
         )
-    concat = [r["program"][6:] for r in ours if r["concat"] > 0 and "stage 0" not in r["program"]]
-    s0 = rows.get("jaxdp stage 0")
-    pack = f"{s0['concat']:.2f}" if s0 else "n/a"
+    concat = [r["program"][6:] for r in ours if r["concat"] > 0]
+    rep = rows.get("GSPMD replicated")
+    pack = f"{rep['concat']:.2f}" if rep else "n/a"
     return f"""\
 **Reading the numbers.** Non-GEMM traffic minus the matching peer's, in gradient volumes:
-{"; ".join(lines)}.{peak} Gradient concatenations at stages 1-2:
-{", ".join(concat) if concat else "none"} (stage 0 packs its all-reduce buckets: {pack} gradient
-volumes, which is how the detector is checked on a known program). Stages 1-2 reduce-scatter and
-gather each parameter on its own and XLA's combiners group them (one NCCL group call over the
-separate buffers), so nothing is packed or unpacked; the gradients are reduced straight into the
-optimizer's shard layout.{_fp32_wire(rows)}{_stage0_wire(rows)}{_stage3_operands(rows)}"""
+{"; ".join(lines)}.{peak} Gradient concatenations in jaxdp's programs:
+{", ".join(concat) if concat else "none"} (the replicated peer's combined all-reduce copies
+its operands into one buffer: {pack} gradient volumes, which is how the detector is checked on
+a known program). Every stage reduces (and stages 1-2 gather) each parameter on its own and
+XLA's combiners group them (one NCCL group call over the separate buffers), so nothing is
+packed or unpacked; stages 1-2 reduce the gradients straight into the optimizer's shard
+layout, and stage 0 compiles with XLA's `all-reduce-contiguous` off (section 7).\
+{_fp32_wire(rows)}{_stage0_wire(rows)}{_stage3_operands(rows)}"""
 
 
 def _fp32_wire(rows: dict[str, Any]) -> str:
@@ -423,16 +425,16 @@ def _stage0_wire(rows: dict[str, Any]) -> str:
         return ""
     return f"""
 
-Stage 0 with an fp32 wire ({s0["vs peer"]:+.2f} against replicated): its loss and other metric
-sums wait for the buckets' all-reduces (`ReduceAtEnd.order_metrics`). Before they did (measured
-by hand at `80aa235`), XLA's combiner merged the loss's `psum` into the all-reduce of the
-partly filled last bucket (17.3M elements, under the combine threshold), and XLA:GPU copied
-that bucket into one buffer with the loss and back out of it: 47.63 gradient volumes against
-46.94 now. The same change, with the pre-scaling done gradient by gradient in a bucket of more
-than 64 parameters (`jaxdp._reduce.Unpacked`: XLA:GPU fuses nothing into a concatenation of
-that many operands), took a 100-leaf MLP of 128 x 128 layers at stage 0 in fp32 (one bucket)
-from 16.26 to 10.26 gradient volumes per step (plain `jit`: 11.26), and 21.08 to 15.08 with
-four micro-batches."""
+Stage 0 with an fp32 wire ({s0["vs peer"]:+.2f} against replicated) casts each bf16 gradient
+up in a pass of its own before its all-reduce, as stages 1-2 do. With packed buckets (before
+`d9e9437`) it moved 46.94 gradient volumes: the loss's and other metric sums waited for the
+buckets' all-reduces (`ReduceAtEnd.order_metrics`, still there for the packed buckets), or
+XLA's combiner merged the loss's `psum` into the partly filled last bucket's all-reduce and
+XLA:GPU copied both into one buffer and back (47.63, measured by hand at `80aa235`); the
+pre-scaling, done gradient by gradient in a bucket of more than 64 parameters
+(`jaxdp._reduce.Unpacked`: XLA:GPU fuses nothing into a concatenation of that many operands),
+took a 100-leaf MLP of 128 x 128 layers in fp32 (one bucket) from 16.26 to 10.26 gradient
+volumes per step (plain `jit`: 11.26)."""
 
 
 def _stage3_operands(rows: dict[str, Any]) -> str:

@@ -318,6 +318,11 @@ ALONE: dict[str, tuple[int, Any, Any]] = {
     ),
     "memory": (3, lambda quick: bench_memory.main(quick=quick), memory_section),
     "memory_gpu": (4, lambda quick: bench_memory_gpu.main(quick=quick), memory_gpu_section),
+    "fusion": (
+        9,
+        lambda quick: bench_fusion.run(quick=quick),
+        _section_with("9. Gradient-accumulation fusion", "bench_fusion"),
+    ),
     "zero3": (10, lambda quick: bench_zero3.main(quick=quick), zero3_section),
     "compile": (7, lambda quick: bench_compile.main(quick=quick), compile_section),
     "traffic": (11, lambda quick: bench_traffic.main_result(quick=quick), traffic_section),
@@ -354,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
         "--only",
         choices=sorted(ALONE),
         default=None,
-        help="measure one section (step: 2, memory: 3, memory_gpu: 4, compile: 7, zero3: 10, "
+        help="measure one section (step: 2, memory: 3, memory_gpu: 4, compile: 7, fusion: 9, "
+        "zero3: 10, "
         "traffic: 11, dispatch: 12) and replace it in "
         "the existing --out file, with a line saying where and when (section 7 alone takes "
         "most of the whole run)",

@@ -346,6 +346,13 @@ class DataParallel:
 
     # ------------------------------------------------------------------ step
     @property
+    def step_compiler_options(self) -> dict[str, Any] | None:
+        """The XLA options the step compiles with (after ``init``): ``compiler_options`` and
+        the XLA passes the plan's collectives need off (:attr:`jaxdp._plan.Plan.passes_off`:
+        stage 0 on GPUs turns ``all-reduce-contiguous`` off)."""
+        return with_passes_off(self.compiler_options, self.plan.passes_off)
+
+    @property
     def step(self) -> _Step:
         """``step(state, batch) -> (state, metrics)``, jitted; has ``.lower(state, batch)``."""
         if self._step is None:
@@ -356,8 +363,7 @@ class DataParallel:
                 self._step_fn,
                 donate_argnums=(0,) if self.donate else (),
                 out_shardings=out,
-                # merged with the XLA passes the plan's collectives need off (Plan.passes_off)
-                compiler_options=with_passes_off(self.compiler_options, self.plan.passes_off),
+                compiler_options=self.step_compiler_options,
             )
             self._step = _Step(self, jitted)
         return self._step
