@@ -322,8 +322,9 @@ def markdown(res: dict[str, Any]) -> str:
             "scanned micro-batches the f32 accumulator (one array per parameter, of its shape) "
             "is an operand of the GEMM fusion, whose root adds the product to it: the "
             "accumulation is the GEMM's epilogue, with no pass of its own. The peeled last "
-            "micro-batch's products are added to the accumulators inside the fusion that packs "
-            "them into the bucket for the all-reduce.",
+            "micro-batch's products are added to their accumulators in one fusion per "
+            "parameter, on the way to its all-reduce (stage 0 all-reduces each parameter on "
+            "its own).",
         ]
     out += [
         "",

@@ -67,10 +67,8 @@ class DataParallel:
             size (the combine thresholds that keep buckets apart, the latency-hiding
             scheduler), less the options ``XLA_FLAGS`` names; nothing on other platforms.
             A dict: exactly those options. Unlike :func:`jaxdp.apply_xla_flags` this works
-            after the backend has started, and only for the step (README "XLA flags"). In
-            every case the step also compiles without the XLA passes its collectives need
-            off (stage 0 on GPUs: ``xla_disable_hlo_passes=all-reduce-contiguous``, added to
-            any passes already named; :mod:`jaxdp._per_param`).
+            after the backend has started, and only for the step (README "XLA flags"); the
+            step adds the passes its collectives need off (:attr:`step_compiler_options`).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -347,9 +345,8 @@ class DataParallel:
     # ------------------------------------------------------------------ step
     @property
     def step_compiler_options(self) -> dict[str, Any] | None:
-        """The XLA options the step compiles with (after ``init``): ``compiler_options`` and
-        the XLA passes the plan's collectives need off (:attr:`jaxdp._plan.Plan.passes_off`:
-        stage 0 on GPUs turns ``all-reduce-contiguous`` off)."""
+        """The options the step compiles with (after ``init``): ``compiler_options`` and the
+        passes its collectives need off (stage 0 on GPUs: XLA's ``all-reduce-contiguous``)."""
         return with_passes_off(self.compiler_options, self.plan.passes_off)
 
     @property
