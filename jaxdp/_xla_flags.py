@@ -224,9 +224,10 @@ def xla_flags(
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in opts.items()]
 
 
-def _named_in_xla_flags() -> set[str]:
-    """The option names ``XLA_FLAGS`` sets (``--name=value`` or ``--name``)."""
-    return {f.lstrip("-").split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+def _set_in_xla_flags() -> dict[str, str]:
+    """The options ``XLA_FLAGS`` sets, by name (``--name=value``; ``""`` for ``--name``)."""
+    pairs = (f.lstrip("-").split("=", 1) for f in os.environ.get("XLA_FLAGS", "").split())
+    return {p[0]: p[1] if len(p) > 1 else "" for p in pairs}
 
 
 @functools.cache
@@ -318,7 +319,7 @@ def engine_compiler_options(
         )
     if platform not in ("gpu", "cuda", "rocm"):
         return None
-    taken = _named_in_xla_flags()
+    taken = _set_in_xla_flags()
     mine = xla_compiler_options(config, dp_size=dp_size)
     opts = {k: v for k, v in mine.items() if k not in taken}
     version = _resolve_version(None)
@@ -343,11 +344,7 @@ def with_passes_off(opts: dict[str, Any] | None, passes: tuple[str, ...]) -> dic
     if not passes:
         return opts
     key = "xla_disable_hlo_passes"
-    if opts and key in opts:
-        given = str(opts[key])
-    else:
-        flags = os.environ.get("XLA_FLAGS", "").split()
-        given = next((f.split("=", 1)[1] for f in flags if f.startswith(f"--{key}=")), "")
+    given = str(opts[key]) if opts and key in opts else _set_in_xla_flags().get(key, "")
     names = [n for n in given.split(",") if n]
     return {**(opts or {}), key: ",".join(names + [p for p in passes if p not in names])}
 
@@ -408,7 +405,7 @@ def apply_xla_flags(
         config, jaxlib_version, dp_size=dp_size, latency_hiding_scheduler=latency_hiding_scheduler
     )
     current = os.environ.get("XLA_FLAGS", "").split()
-    present = _named_in_xla_flags()
+    present = _set_in_xla_flags()
     added = [f for f in flags if f.lstrip("-").split("=", 1)[0] not in present]
     os.environ["XLA_FLAGS"] = " ".join([*current, *added])
     return added
