@@ -221,7 +221,7 @@ XLA compile took 41.8 s and stage 1's 69.5 s, of it multi-output fusion 6.3 agai
 the SPMD partitioner with Shardy 2.9 against 9.8 s. Most of the multi-output fusion was the
 gradient norm, summed over each bucket rebuilt from its parameters' reduced shards (a
 concatenation of every gradient); summed parameter by parameter on GPUs
-(`jaxdp._per_param.norm_per_parameter`) stage 1's XLA compile took 56.9 s, multi-output fusion
+(`jaxdp._per_param.nccl_collectives`) stage 1's XLA compile took 56.9 s, multi-output fusion
 7.3 s, partitioner and Shardy 7.9 s. XLA:CPU keeps the bucket sum: it compiles one reduction of
 a concatenation far faster than one per parameter (its fusion pass 1.3 s against 7.7 s at 1,000
 leaves). At 100 leaves the rest of the gap is kernels: 32 distinct kernels against plain

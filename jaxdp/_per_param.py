@@ -95,10 +95,14 @@ def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout) -> bool:
     )
 
 
-def norm_per_parameter(platform: str, dp_size: int) -> bool:
-    """Whether the per-parameter paths sum the gradient norm parameter by parameter (GPUs,
-    more than one rank) or over each bucket rebuilt from its parameters (XLA:CPU, or one
-    rank): see :class:`_PerParameter`."""
+def nccl_collectives(platform: str, dp_size: int) -> bool:
+    """Whether the step's collectives run on a GPU's collective library (any platform but
+    XLA:CPU) with more than one rank. Decided here, once per engine (``_PerParameter.nccl``),
+    for the three things that differ: the gradient norm summed parameter by parameter
+    (:class:`_PerParameter`), the stage 1-2 gathers ordered bucket by bucket
+    (:class:`PerParamOps`), and :data:`PASSES_OFF` (:meth:`AllReduceOps.passes_off`).
+    XLA:CPU runs collectives one at a time in program order, combines no gathers and has no
+    ``all-reduce-contiguous`` pass; with one rank there is nothing on the wire."""
     return platform != "cpu" and dp_size > 1
 
 
@@ -131,7 +135,7 @@ class _PerParameter(PlainOps):
         lay = self.layout
         self.reduce_buckets = [lay.buckets[s.bucket] for s in lay.slots]
         self.reduce_groups = [self.groups[s.bucket] for s in lay.slots]
-        self.norm_per_parameter = norm_per_parameter(self.group.platform, self.group.size)
+        self.nccl = nccl_collectives(self.group.platform, self.group.size)
 
     def per_array(self, per_bucket: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(per_bucket[b.index] for b in self.reduce_buckets)
@@ -139,7 +143,7 @@ class _PerParameter(PlainOps):
     def square_norm(
         self, red: Sequence[jax.Array], divisors: Sequence[int] | None = None
     ) -> jax.Array:
-        if self.norm_per_parameter:
+        if self.nccl:  # on GPUs parameter by parameter (class docstring)
             return super().square_norm(red)
         lay = self.layout
         buckets = [self._bucket(b, red, divisors) for b in lay.buckets]
@@ -179,7 +183,7 @@ class AllReduceOps(_PerParameter):
     def passes_off(self) -> tuple[str, ...]:
         """:data:`PASSES_OFF` on GPUs with more than one rank (XLA:CPU has no such pass, and
         with one rank there is no all-reduce)."""
-        return PASSES_OFF if self.group.platform != "cpu" and self.group.size > 1 else ()
+        return PASSES_OFF if self.nccl else ()
 
     def numels(self, sharded: bool) -> list[int]:
         return [s.size for s in self.layout.slots]
@@ -196,14 +200,6 @@ class AllReduceOps(_PerParameter):
 class PerParamOps(_PerParameter):
     """Stages 1-2: each parameter's gradient reduce-scattered into its shard of the
     interleaved view, and each shard gathered back, on its own."""
-
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        # XLA:CPU runs collectives one at a time in program order and combines no gathers:
-        # the data dependences that order them bucket by bucket on GPUs (one fused OR per
-        # parameter, jaxdp._order.after) would only cost compile time there (1,000 leaves:
-        # about 15% of stage 1's XLA compile). With one rank there is nothing to gather.
-        self.ordered = self.group.platform != "cpu" and self.group.size > 1
 
     def numels(self, sharded: bool) -> list[int]:
         dp = 1 if sharded else self.layout.dp_size
@@ -224,7 +220,10 @@ class PerParamOps(_PerParameter):
         return gather_leaves(self._working(view), self.layout, self.axis)
 
     def gather_end(self, view: Any, axis: Any, last: Any) -> Any:
-        return gather_leaves(self._working(view), self.layout, axis, last if self.ordered else None)
+        # XLA:CPU combines no gathers: the data dependences that order them bucket by bucket
+        # on GPUs (one fused OR per parameter, jaxdp._order.after) would only cost compile
+        # time there (1,000 leaves: about 15% of stage 1's XLA compile).
+        return gather_leaves(self._working(view), self.layout, axis, last if self.nccl else None)
 
 
 def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any, last: Any = None) -> Any:

@@ -313,7 +313,7 @@ def test_one_rank_packs_and_orders_nothing(mesh, stage):
             assert isinstance(ops, AllReduceOps)
             assert dp.plan.passes_off == (() if one else PASSES_OFF)
         else:
-            assert isinstance(ops, PerParamOps) and ops.ordered is not one
+            assert isinstance(ops, PerParamOps) and ops.nccl is not one
             assert dp.plan.passes_off == ()
             assert (re.search(r" or\(", text) is None) is one
 

@@ -369,7 +369,7 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
     """On GPUs with more than one rank the per-parameter paths (stage 0 here on XLA:CPU,
     stages 1-2 with the interleaved layout) sum the gradient norm parameter by parameter, on
     XLA:CPU over each bucket rebuilt from its parameters
-    (jaxdp._per_param.norm_per_parameter). The GPU's sum runs here too, forced: the same norm
+    (jaxdp._per_param.nccl_collectives). The GPU's program runs here too, forced: the same norm
     up to the order of its fp32 additions, the same params bit for bit where the norm does not
     enter the update, and both held to the reference where it does (clipping)."""
     import jaxdp._per_param as per_param
@@ -383,11 +383,11 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
     mesh = make_mesh(devices=jax.devices()[:dp_size])
 
     dp_b, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
-    monkeypatch.setattr(per_param, "norm_per_parameter", lambda platform, dp_size: True)
+    monkeypatch.setattr(per_param, "nccl_collectives", lambda platform, dp_size: True)
     dp_p, s_p, n_p = train_on(mesh, cfg, opt, params, batches)
     assert dp_p.plan.strategy.reduces_per_parameter
-    assert dp_p.plan.strategy.ops.norm_per_parameter
-    assert not dp_b.plan.strategy.ops.norm_per_parameter
+    assert dp_p.plan.strategy.ops.nccl
+    assert not dp_b.plan.strategy.ops.nccl
     assert len(dp_p.layout.buckets) > 1
     np.testing.assert_allclose(n_p, n_b, rtol=tolerance(jnp.float32))
     if clip is None:
@@ -412,10 +412,12 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
     ids=["fp32-1-8", "fp32-4-6", "bf16-wire-4-6", "fp32-wire-1-8"],
 )
 def test_gpu_programs_match_the_cpu_ones(data, monkeypatch, stage, g, extra, dp_size):
-    """The plan reads the mesh's platform (ReductionGroup.platform) in two places: stage 0's
-    buckets and the bucket-by-bucket ordering of the stage 1-2 gathers, which GPUs get and
-    XLA:CPU does not. Run the GPU's programs here, with the platform forced: the ordering only
-    adds data dependences (an OR with zero), so the params are the same bit for bit."""
+    """The plan reads the mesh's platform (ReductionGroup.platform) once, in
+    jaxdp._per_param.nccl_collectives: at stages 1-2 it decides the norm's sum and the
+    bucket-by-bucket ordering of the gathers, which GPUs get and XLA:CPU does not. Run the
+    GPU's programs here, with the platform forced: the ordering only adds data dependences
+    (an OR with zero) and the norm enters no update, so the params are the same bit for
+    bit."""
     from jaxdp import _group, make_mesh
 
     params, batches = data
@@ -434,7 +436,7 @@ def test_gpu_programs_match_the_cpu_ones(data, monkeypatch, stage, g, extra, dp_
     cpu, s_cpu = train()
     monkeypatch.setattr(_group.ReductionGroup, "platform", property(lambda self: "gpu"))
     gpu, s_gpu = train()
-    assert not cpu.plan.strategy.ops.ordered and gpu.plan.strategy.ops.ordered
+    assert not cpu.plan.strategy.ops.nccl and gpu.plan.strategy.ops.nccl
     for a, b in zip(jax.tree.leaves(s_cpu), jax.tree.leaves(s_gpu), strict=True):
         np.testing.assert_array_equal(a, b)
     if not extra:
