@@ -160,18 +160,19 @@ PIPELINE = 15
 
 def busy_ms(step: Any, state: Any, batch: Any, n: int = 5) -> tuple[float | None, Any]:
     """Device busy time per step from a profile: the union of the GPU op intervals."""
-    folder = tempfile.mkdtemp(prefix="jaxdp-prof-")
-    with jax.profiler.trace(folder):
-        for _ in range(n):
-            state, m = step(state, batch)
-        jax.block_until_ready((state, m))
-    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
-    if not files:
-        return None, state
-    from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory(prefix="jaxdp-prof-") as folder:  # removed after reading
+        with jax.profiler.trace(folder):
+            for _ in range(n):
+                state, m = step(state, batch)
+            jax.block_until_ready((state, m))
+        files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None, state
+        from jax.profiler import ProfileData
 
+        planes = ProfileData.from_file(files[0]).planes
     spans = []
-    for plane in ProfileData.from_file(files[0]).planes:
+    for plane in planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
