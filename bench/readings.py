@@ -148,6 +148,23 @@ Reading the slices at offsets passed in at run time (`dynamic_slice`) made those
 identical but not the compile faster (2.35-2.38 s against 2.31-2.32 s), and copying the
 slices out first (plain `jit`'s way) would have cost a pass over the gradients every step.
 
+The gradient norm and the rest of stage 1's gap on GPUs, measured by hand on 2026-11-28 (8
+compile-only H100s, XLA compile seconds, least of two compiles in one process, variants
+alternating in rounds; this machine's speed swung by up to 1.5x between rounds). The norm is
+one reduction per parameter, and XLA:GPU compiles reductions slowly whatever their form: 400
+sums of squares of 128 floats alone took 0.76 s against 0.22 s for 400 multiplies (priority
+fusion 0.23 s of it). At 1,000 leaves plain `jit` compiled in 21.5 / 23.1 / 23.4 s and with
+`optax.global_norm` in 26.8 / 30.3 / 29.2 s, so no step that reports `grad_norm` is within
+1.3x of plain `jit` there by much. Summing the squares as a pairwise tree instead of a stacked
+sum (26.2 / 26.2 / 27.5 s, and one 36.6 s outlier, against 26.6 / 26.6 / 26.8), or behind
+optimization barriers (200 leaves: 5.06-5.26 s against 5.11), saved nothing. One profiled
+compile of stage 1 at 1,000 leaves took 39.9 s against plain `jit` + norm's 26.3 s: the
+bucket-by-bucket ordering of the gathers +3.3 s (multi-output fusion +2.4 s), then Shardy
++2.5 s and the SPMD partitioner +0.9 s (the `shard_map` operands) and fusion +2.1 s. Dropped:
+the gathers in `shard_map`s of 100 parameters (38.5 / 34.6 s against 38.1 / 36.5 s, both
+unordered), and the order moved onto the reduced gradients before the update, which made
+every update wait for the norm (+2.8 s; priority fusion +2.2 s).
+
 Stage 3's compile, compiled for 8 H100s (the 100.7M GPT of section 11, `G = 1`): at `620a004`
 20.1 s against 10.5 s for the GSPMD FSDP peer with the same remat rule, the programs the same
 size before optimisation (14,040 against 13,718 HLO instructions). The difference was in
