@@ -149,8 +149,9 @@ identical but not the compile faster (2.35-2.38 s against 2.31-2.32 s), and copy
 slices out first (plain `jit`'s way) would have cost a pass over the gradients every step.
 
 The gradient norm and the rest of stage 1's gap on GPUs, measured by hand on 2026-11-28 (8
-compile-only H100s, XLA compile seconds, least of two compiles in one process, variants
-alternating in rounds; this machine's speed swung by up to 1.5x between rounds). The norm is
+compile-only H100s, XLA compile seconds, variants alternating in rounds: the forms of the norm
+one compile in a fresh process each, the rest the least of two compiles in one process; this
+machine's speed swung by up to 1.5x between rounds). The norm is
 one reduction per parameter, and XLA:GPU compiles reductions slowly whatever their form: 400
 sums of squares of 128 floats alone took 0.76 s against 0.22 s for 400 multiplies (priority
 fusion 0.23 s of it). At 1,000 leaves plain `jit` compiled in 21.5 / 23.1 / 23.4 s and with
