@@ -155,8 +155,8 @@ machine's speed swung by up to 1.5x between rounds). The norm is
 one reduction per parameter, and XLA:GPU compiles reductions slowly whatever their form: 400
 sums of squares of 128 floats alone took 0.76 s against 0.22 s for 400 multiplies (priority
 fusion 0.23 s of it). At 1,000 leaves plain `jit` compiled in 21.5 / 23.1 / 23.4 s and with
-`optax.global_norm` in 26.8 / 30.3 / 29.2 s, so no step that reports `grad_norm` is within
-1.3x of plain `jit` there by much. Summing the squares as a pairwise tree instead of a stacked
+`optax.global_norm` in 26.8 / 30.3 / 29.2 s, so a step that reports `grad_norm` has little
+of the 1.3x left there. Summing the squares as a pairwise tree instead of a stacked
 sum (26.2 / 26.2 / 27.5 s, and one 36.6 s outlier, against 26.6 / 26.6 / 26.8), or behind
 optimization barriers (200 leaves: 5.06-5.26 s against 5.11), saved nothing. One profiled
 compile of stage 1 at 1,000 leaves took 39.9 s against plain `jit` + norm's 26.3 s: the
