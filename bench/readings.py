@@ -158,7 +158,7 @@ fusion 0.23 s of it). At 1,000 leaves plain `jit` compiled in 21.5 / 23.1 / 23.4
 `optax.global_norm` in 26.8 / 30.3 / 29.2 s, so a step that reports `grad_norm` has little
 of the 1.3x left there. Summing the squares as a pairwise tree instead of a stacked
 sum (26.2 / 26.2 / 27.5 s, and one 36.6 s outlier, against 26.6 / 26.6 / 26.8), or behind
-optimization barriers (200 leaves: 5.06-5.26 s against 5.11), saved nothing. One profiled
+optimization barriers (200 leaves: 5.06-5.51 s against 5.11), saved nothing. One profiled
 compile of stage 1 at 1,000 leaves took 39.9 s against plain `jit` + norm's 26.3 s: the
 bucket-by-bucket ordering of the gathers +3.3 s (multi-output fusion +2.4 s), then Shardy
 +2.5 s and the SPMD partitioner +0.9 s (the `shard_map` operands) and fusion +2.1 s. Dropped:
