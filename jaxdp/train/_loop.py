@@ -178,11 +178,11 @@ class Trainer:
             f"{self.corpus.val.size:,} val bytes)"
             + (f"; resumed at step {start}" if self.resume_step is not None else "")
         )
-        if eng.step_compiler_options:
+        step_options = eng.step_compiler_options
+        if step_options:
             self.console.print(
                 "XLA options for the step (jaxdp.xla_compiler_options and the passes its "
-                "collectives need off): "
-                + ", ".join(f"{k}={v}" for k, v in eng.step_compiler_options.items())
+                "collectives need off): " + ", ".join(f"{k}={v}" for k, v in step_options.items())
             )
         eval_fn = jax.jit(self.loss_fn)
         tokens_per_step = t.global_batch * cfg.model.context
@@ -320,7 +320,8 @@ class Trainer:
             "step_time_s": step_time,
             "compile_s": compile_s,
             "wall_s": wall,
-            # what the step compiled with beyond XLA_FLAGS (jaxdp.xla_compiler_options on GPUs)
+            # what the step compiled with beyond XLA_FLAGS (jaxdp.xla_compiler_options on GPUs,
+            # and the XLA passes its collectives need off)
             "xla_options": dict(eng.step_compiler_options or {}),
         }
         plot_loss(records, os.path.join(out, "loss.png"), info["unigram_entropy"])
