@@ -118,7 +118,8 @@ parameter, 45.44 with buckets, and 46.86 per parameter with the pass on.
 *Stage 1* reduce-scatters and gathers each parameter (no slice fusions either), and on
 XLA:CPU, which runs collectives one at a time in program order, it no longer chains the
 gathers bucket by bucket (one fused OR per parameter, 15% of its compile at 1,000 leaves; GPUs
-keep them). What is left, from `perf` on a fresh process at 1,000 leaves (stage-1 XLA compile
+kept them until 2026-11-28, below). What is left, from `perf` on a fresh process at 1,000
+leaves (stage-1 XLA compile
 19.2 s against plain `jit`'s 11.9 s): Shardy's handling of the `shard_map` operands (+2.1 s,
 most of it `eraseManualAxes`, which grows with the number of operands: one per parameter,
 master shard and moment), XLA:CPU's thunk execution graph (+2.1 s: 2,000 more collective
@@ -168,6 +169,25 @@ update wait for the norm (+2.8 s; priority fusion +2.2 s); and the order's OR wi
 (`jaxdp._order.after`) replaced by a multiply by a one derived the same way: alone, 1,000
 arrays each doubled and ordered compiled in 0.83 s against 1.76 s with the OR (0.67 s
 unordered), but stage 1 at 1,000 leaves took 43.6 / 43.4 s against 42.3 / 42.5 s.
+
+The ordering itself went on 2026-11-28 (8 compile-only H100s). It had made bucket `k+1`'s
+gathers wait for bucket `k`'s and the first for the norm, so that XLA could not start every
+gather first and keep every gathered bucket alive beside the params it is split into. Per
+parameter there is nothing to split (a gathered parameter is the param, reshaped, or sliced
+where the layout padded it), and without the ordering the compiled programs keep no copy: the
+100.7M GPT of section 11 (bf16 params, fp32 master), peak per device with / without it, stage 1
+3.891 / 3.872 GiB at dp 8 and 4.767 / 4.767 at dp 6 (every parameter padded), stage 2 at
+`G = 4` 3.932 / 3.932; traffic 40.18 / 40.12 gradient volumes (stage 1); section 4's MLP the
+same but for one bucket at `G = 1` (stages 1-2 temp 0.27 / 0.58 B/param). XLA still combines the
+gathers into groups of at most one bucket, done one after the other (the test of the
+end-of-step gathers holds unchanged). Compile, `aot.compile_step` CPU seconds, variants
+alternating in 3 rounds: that GPT's stage 1 18.2 / 17.6 / 18.4 s with the ordering against
+15.1 / 15.4 / 14.6 s without, stage 2 at `G = 4` 20.2 / 19.4 / 21.1 against 15.3 / 15.4 / 15.5;
+this section's MLP, stage 1 XLA compile (least of two in one process), 1,000 leaves
+38.8 / 40.7 / 40.1 s against 38.8 / 39.2 / 34.8, 100 leaves 2.65 / 2.88 / 2.52 / 3.52 against
+2.59 / 2.88 / 2.47 / 2.82. What the ordering was for on a GPU's clock, the overlap of the
+gathers with the last updates, was small in the compiled GPT either way: with it 2 of 5 gather
+groups overlapped compute (31 and 2 instructions), without it 1 of 3 (5 instructions).
 
 Stage 3's compile, compiled for 8 H100s (the 100.7M GPT of section 11, `G = 1`): at `620a004`
 20.1 s against 10.5 s for the GSPMD FSDP peer with the same remat rule, the programs the same
@@ -300,7 +320,9 @@ variadic reduction per shape of shard (up to 32 operands each, no concatenation;
 the kernel count is not what costs. Gathering the new params without waiting for the norm (no
 ordering at all) took 0.80-0.91x the XLA compile at 1,000 leaves, but XLA then starts every
 gather first and keeps a full second copy of the params in temporaries (the test of the
-end-of-step gathers); kept. With no norm at all stage 1 compiled in 1.24-1.31x plain `jit` at
+end-of-step gathers); kept. That reason was the test's docstring, which described gathers of
+whole buckets; measured later that day, the per-parameter gathers keep no copy, and the
+ordering went (below). With no norm at all stage 1 compiled in 1.24-1.31x plain `jit` at
 100 leaves against 1.50-1.54x with it (medians of the rounds): the norm is about half the gap
 there.
 
@@ -383,8 +405,12 @@ at most one bucket), so every gathered parameter and every gradient is its own b
 after its last use. With one collective per bucket it measured 1.13x / 1.28x (G = 1 / 4): in
 XLA's buffer assignment (`--xla_dump_to`), splitting a gathered interleaved bucket into its leaves
 and packing the leaves' gradients back were whole-bucket copies kept alive beside the bucket,
-three buckets at the forward peak. Stages 1-2 gather the updated params bucket by bucket (an
-XLA scheduling group per bucket), so no full copy of them is alive at the end of the step."""
+three buckets at the forward peak. Stages 1-2 gather the updated params per parameter too, with
+no ordering: a gathered parameter is the param itself, so no full copy of them is alive at the
+end of the step. Until 2026-11-28 those gathers were ordered bucket by bucket (an OR with zero
+per parameter and an XLA scheduling group per bucket); dropping that changed the temp on the
+rows above only at one bucket and G = 1 (stages 1-2: 0.27 to 0.58 B/param) and cut XLA:GPU's
+compile of the 100.7M GPT of section 11 by 13-27% (section 7)."""
 
 
 def traffic_reading(res: dict[str, Any]) -> str:

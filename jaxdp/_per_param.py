@@ -35,13 +35,10 @@ from typing import Any, Final
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.xla_metadata import set_xla_metadata
 
 from ._config import DDPConfig
-from ._gather import SCHEDULING_GROUP_BASE
 from ._layout import BucketLayout
 from ._nested import PlainOps
-from ._order import after
 
 __all__ = [
     "PASSES_OFF",
@@ -98,10 +95,9 @@ def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout) -> bool:
 def nccl_collectives(platform: str, dp_size: int) -> bool:
     """Whether the step's collectives run on a GPU's collective library (any platform but
     XLA:CPU) with more than one rank. Decided here, once per engine (``_PerParameter.nccl``),
-    for the three things that differ: the gradient norm summed parameter by parameter
-    (:class:`_PerParameter`), the stage 1-2 gathers ordered bucket by bucket
-    (:class:`PerParamOps`), and :data:`PASSES_OFF` (:meth:`AllReduceOps.passes_off`).
-    XLA:CPU runs collectives one at a time in program order, combines no gathers and has no
+    for the two things that differ: the gradient norm summed parameter by parameter
+    (:class:`_PerParameter`) and :data:`PASSES_OFF` (:meth:`AllReduceOps.passes_off`).
+    XLA:CPU runs collectives one at a time in program order and has no
     ``all-reduce-contiguous`` pass; with one rank there is nothing on the wire."""
     return platform != "cpu" and dp_size > 1
 
@@ -220,44 +216,26 @@ class PerParamOps(_PerParameter):
         return gather_leaves(self._working(view), self.layout, self.axis)
 
     def gather_end(self, view: Any, axis: Any, last: Any) -> Any:
-        # XLA:CPU combines no gathers: the data dependences that order them bucket by bucket
-        # on GPUs (one fused OR per parameter, jaxdp._order.after) would only cost compile
-        # time there (1,000 leaves: about 15% of stage 1's XLA compile).
-        return gather_leaves(self._working(view), self.layout, axis, last if self.nccl else None)
+        # Unordered on every platform (``last``, the gradient norm, is not waited for): each
+        # gathered shard is its parameter (a reshape, or a slice where the layout padded it),
+        # so XLA keeps no gathered copy alive (see :func:`gather_leaves`).
+        return gather_leaves(self._working(view), self.layout, axis)
 
 
-def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any, last: Any = None) -> Any:
+def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any) -> Any:
     """This rank's per-parameter shards (working dtype) -> the full params: one ``all_gather``
     per parameter, typed as identical on every rank, for XLA to combine.
 
-    As :func:`jaxdp._gather.gather_buckets`: with ``last`` (the gradient norm) the first
-    bucket's gathers wait for it; bucket ``k+1``'s gathers wait for all of bucket ``k``'s and
-    share an XLA scheduling group with turning bucket ``k``'s into params, so a combined
-    gather never spans two buckets and the gathered params are not all alive before the
-    first is in place."""
-
-    def gather(x: Any) -> Any:
-        return jax.lax.all_gather(x, axis, tiled=True, to="invarying")
-
-    def unpack(i: int, full: Any) -> Any:
-        return layout._leaf_from_global(i, full)
-
-    if last is None:
-        out = [unpack(i, gather(x)) for i, x in enumerate(shards)]
-        return jax.tree_util.tree_unflatten(layout.treedef, out)
-    buckets = layout.buckets
-    leaves: list[Any] = [None] * len(layout.slots)
-
-    def gather_bucket(k: int, dep: Any) -> list[Any]:
-        # one after() per bucket: its zero is computed once from all of dep's leaves (one
-        # per shard would be |bucket k| x |bucket k+1| ops for XLA to simplify away)
-        return [gather(x) for x in after([shards[i] for i in buckets[k].slots], dep)]
-
-    gathered = [gather_bucket(0, last)]
-    for k, b in enumerate(buckets):
-        with set_xla_metadata(_scheduling_group_id=str(SCHEDULING_GROUP_BASE + k)):
-            if k + 1 < len(buckets):
-                gathered.append(gather_bucket(k + 1, gathered[k]))
-            for i, full in zip(b.slots, gathered[k], strict=True):
-                leaves[i] = unpack(i, full)
-    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+    Unlike a bucket's gather (:func:`jaxdp._gather.gather_buckets`), these need no ordering:
+    a gathered parameter is the param itself, reshaped (or, where the layout padded it to a
+    multiple of dp, sliced), not a bucket that stays alive until it is split. The data
+    dependences that ordered them bucket by bucket on GPUs until 2026-11-28 (an OR with zero
+    per parameter, XLA scheduling groups) kept no less memory than none (8 compile-only H100s,
+    the 100.7M GPT of BENCHMARKS section 11, bf16 params, peak per device with / without:
+    stage 1 3.89 / 3.87 GiB at dp 8, 4.77 / 4.77 at dp 6; stage 2 at ``G = 4`` 3.93 / 3.93) and
+    cost XLA:GPU 13-27% of that GPT's stage 1-2 compile (BENCHMARKS section 7)."""
+    out = [
+        layout._leaf_from_global(i, jax.lax.all_gather(x, axis, tiled=True, to="invarying"))
+        for i, x in enumerate(shards)
+    ]
+    return jax.tree_util.tree_unflatten(layout.treedef, out)

@@ -413,11 +413,10 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
 )
 def test_gpu_programs_match_the_cpu_ones(data, monkeypatch, stage, g, extra, dp_size):
     """The plan reads the mesh's platform (ReductionGroup.platform) once, in
-    jaxdp._per_param.nccl_collectives: at stages 1-2 it decides the norm's sum and the
-    bucket-by-bucket ordering of the gathers, which GPUs get and XLA:CPU does not. Run the
-    GPU's programs here, with the platform forced: the ordering only adds data dependences
-    (an OR with zero) and the norm enters no update, so the params are the same bit for
-    bit."""
+    jaxdp._per_param.nccl_collectives: at stages 1-2 it decides how the norm is summed
+    (parameter by parameter on GPUs, over rebuilt buckets on XLA:CPU). Run the GPU's
+    programs here, with the platform forced: the norm enters no update (no clipping), so the
+    params are the same bit for bit."""
     from jaxdp import _group, make_mesh
 
     params, batches = data
