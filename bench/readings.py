@@ -176,12 +176,14 @@ gather first and keep every gathered bucket alive beside the params it is split 
 parameter there is nothing to split (a gathered parameter is the param, reshaped, or sliced
 where the layout padded it), and without the ordering the compiled programs keep no copy: the
 100.7M GPT of section 11 (bf16 params, fp32 master), peak per device with / without it, stage 1
-3.891 / 3.872 GiB at dp 8 and 4.767 / 4.767 at dp 6 (every parameter padded), stage 2 at
-`G = 4` 3.932 / 3.932; traffic 40.18 / 40.12 gradient volumes (stage 1); section 4's MLP the
+3.891 / 3.884 GiB at dp 8 (3.891 / 3.872 with `check_for_nan_in_grad`) and 4.767 / 4.767 at
+dp 6 (every parameter padded), stage 2 at `G = 4` 3.932 / 3.932; traffic 37.89 / 37.83 gradient
+volumes (stage 1; 40.18 / 40.12 with `check_for_nan_in_grad`); section 4's MLP the
 same but for one bucket at `G = 1` (stages 1-2 temp 0.27 / 0.58 B/param). XLA still combines the
 gathers into groups of at most one bucket, done one after the other (the test of the
 end-of-step gathers holds unchanged). Compile, `aot.compile_step` CPU seconds, variants
-alternating in 3 rounds: that GPT's stage 1 18.2 / 17.6 / 18.4 s with the ordering against
+alternating in 3 rounds, with `check_for_nan_in_grad`: that GPT's stage 1 18.2 / 17.6 /
+18.4 s with the ordering against
 15.1 / 15.4 / 14.6 s without, stage 2 at `G = 4` 20.2 / 19.4 / 21.1 against 15.3 / 15.4 / 15.5;
 this section's MLP, stage 1 XLA compile (least of two in one process), 1,000 leaves
 38.8 / 40.7 / 40.1 s against 38.8 / 39.2 / 34.8, 100 leaves 2.65 / 2.88 / 2.52 / 3.52 against

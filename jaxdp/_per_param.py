@@ -230,12 +230,9 @@ def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any) -> Any
     a gathered parameter is the param itself, reshaped (or, where the layout padded it to a
     multiple of dp, sliced), not a bucket that stays alive until it is split. The data
     dependences that ordered them bucket by bucket on GPUs until 2026-11-28 (an OR with zero
-    per parameter, XLA scheduling groups) kept no less memory than none (8 compile-only H100s,
-    the 100.7M GPT of BENCHMARKS section 11, bf16 params, peak per device with / without:
-    stage 1 3.89 / 3.87 GiB at dp 8, 4.77 / 4.77 at dp 6; stage 2 at ``G = 4`` 3.93 / 3.93) and
+    per parameter, XLA scheduling groups) saved no memory (8 compile-only H100s, the 100.7M
+    GPT of BENCHMARKS section 11, bf16 params, peak per device with / without: stage 1
+    3.891 / 3.884 GiB at dp 8, 4.767 / 4.767 at dp 6; stage 2 at ``G = 4`` 3.932 / 3.932) and
     cost XLA:GPU 13-27% of that GPT's stage 1-2 compile (BENCHMARKS section 7)."""
-    out = [
-        layout._leaf_from_global(i, jax.lax.all_gather(x, axis, tiled=True, to="invarying"))
-        for i, x in enumerate(shards)
-    ]
-    return jax.tree_util.tree_unflatten(layout.treedef, out)
+    gathered = [jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards]
+    return layout.from_global_view(gathered)
