@@ -189,10 +189,13 @@ class ReduceAtEnd(Kernel):
         # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
         # then yields per-device partial gradients and inserts no psum per use.
         wv = self.ops.varying(self.source(params))
-        parts = self.parts
-        if self.config.gradient_accumulation_fusion:  # jaxdp.nn kernels differentiated as fp32
-            wv, parts = fused_function(self.parts, wv, mb0)
-        return wv, jax.value_and_grad(parts, has_aux=True), parts
+        if not self.config.gradient_accumulation_fusion:
+            return wv, jax.value_and_grad(self.parts, has_aux=True), self.parts
+        # jaxdp.nn kernels differentiated as fp32, lifted in each micro-batch's own body (where
+        # XLA cancels the upcast against the layer's cast back), not once ahead of the loop.
+        lift, fused = fused_function(self.parts, wv, mb0)
+        vg = jax.value_and_grad(fused, has_aux=True)
+        return wv, lambda w, mb: vg(lift(w), mb), lambda w, mb: fused(lift(w), mb)
 
     def forward(self, ctx: Any, mb: Any) -> Any:
         return ctx[2](ctx[0], mb)

@@ -138,3 +138,39 @@ def test_unfused_wgrad_gemm_rounds_to_bf16(mesh):
     ]
     assert wgrads  # the GEMM's result is bf16
     assert any("convert(" in "\n".join(c[2]) and "add(" in "\n".join(c[2]) for c in comps.values())
+
+
+def _loop_bodies(text):
+    """(parameter list, instruction lines) of every while loop's body."""
+    names = set(re.findall(r" while\(.*?body=%([^,\s]+)", text))
+    out, body = [], None
+    for line in text.splitlines():
+        m = re.match(r"^%(\S+) \((.*)\) -> .* \{$", line)
+        if m and m.group(1) in names:
+            body = (m.group(2), [])
+            out.append(body)
+        elif body is not None and line.startswith("}"):
+            body = None
+        elif body is not None:
+            body[1].append(line)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fused_loop_carries_no_fp32_copy_of_the_kernels(mesh, stage):
+    """The fused kernels are lifted to fp32 in each micro-batch's own body, where XLA cancels
+    the upcast against the layer's cast back (``jaxdp.nn._fusion.fused_function``). Lifted
+    once ahead of the loop, the loop carried an fp32 copy of every kernel and cast it back to
+    bf16 each micro-batch: on an H200 (8 x 4096² ``Dense``, G = 8) 1.4-1.7 ms a step, and the
+    fused step ran 0.992x-0.997x of the unfused one instead of 1.02x-1.09x."""
+    text, unfused = compiled_text(mesh, stage, fuse=True), compiled_text(mesh, stage, fuse=False)
+    comps = computations(text)
+    bodies = _loop_bodies(text)
+    assert len(bodies) == 1  # G = 4: the micro-batches run in one loop
+    for line in bodies[0][1]:  # nothing kernel-shaped is cast from fp32 to bf16 in the loop
+        m = re.search(rf"= bf16\[{W},{W}\]\S* fusion\(.*calls=%([^,\s]+)", line)
+        if m and m.group(1) in comps:
+            assert f"f32[{W},{W}]" not in comps[m.group(1)][0], line[:200]
+    # the loop carries no more kernel-shaped fp32 arrays than the unfused one (accumulators)
+    carried = [b[0][0].count(f"f32[{W},{W}]") for b in (bodies, _loop_bodies(unfused))]
+    assert carried[0] <= carried[1], carried

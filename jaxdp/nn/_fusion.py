@@ -196,16 +196,23 @@ def fused_value_and_grad(
         >>> str(g["kernel"].dtype), str(g["bias"].dtype)
         ('float32', 'bfloat16')
     """
-    diff, scoped = fused_function(fun, params, example)
-    return diff, jax.value_and_grad(scoped, has_aux=has_aux)
+    lift, scoped = fused_function(fun, params, example)
+    return lift(params), jax.value_and_grad(scoped, has_aux=has_aux)
 
 
 def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[Any, Any]:
-    """``(diff_params, scoped)``: :func:`fused_value_and_grad`'s params and the function it
-    differentiates, ``scoped(diff_params, batch) == fun(params, batch)`` with the fused
-    kernels computing in their working dtype. Evaluate ``fun`` on ``diff_params`` only through
-    ``scoped``: outside it a fused layer sees an fp32 kernel and computes in fp32 (which, in an
-    ``nn.scan`` body, changes the carry's dtype)."""
+    """``(lift, scoped)``: ``lift(params)`` is :func:`fused_value_and_grad`'s ``diff_params``
+    (the fused kernels upcast to fp32) and ``scoped`` the function it differentiates,
+    ``scoped(lift(params), batch) == fun(params, batch)`` with the fused kernels computing in
+    their working dtype. Evaluate ``fun`` on lifted params only through ``scoped``: outside it
+    a fused layer sees an fp32 kernel and computes in fp32 (which, in an ``nn.scan`` body,
+    changes the carry's dtype).
+
+    Lift where the gradient is taken, not once ahead of a loop over micro-batches: there the
+    upcast and the layer's cast back to its working dtype meet in one computation and XLA
+    drops both (``convert(convert(w, f32), bf16)`` is ``w``). Lifted once outside the loop,
+    the loop carries fp32 copies of the kernels and casts each back to bf16 every
+    micro-batch: a pass over the kernels per micro-batch and an fp32 copy held all step."""
     kps, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [v for _, v in kps]
     paths = [path_str(k) for k, _ in kps]
@@ -229,9 +236,13 @@ def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[
         and (_match(path, found.paths) is not None or i in {index_of.get(j) for j in found.ids})
     }
     work = {i: _leaf_dtype(leaves[i]) for i in marked}
-    diff = jax.tree_util.tree_unflatten(
-        treedef, [x.astype(jnp.float32) if i in marked else x for i, x in enumerate(leaves)]
-    )
+
+    def lift(p: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(p)
+        return jax.tree_util.tree_unflatten(
+            treedef, [x.astype(jnp.float32) if i in marked else x for i, x in enumerate(flat)]
+        )
+
     by_path = {}
     for i in marked:
         key = _match(paths[i], found.paths)
@@ -245,4 +256,4 @@ def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[
         with _scope(scope):
             return fun(p, batch)
 
-    return diff, wrapped
+    return lift, wrapped
