@@ -1,0 +1,147 @@
+"""Gradient-accumulation fusion on one GPU, kernel by kernel (BENCHMARKS.md section 13).
+
+``bench_fusion.py``'s MLP (8 ``jaxdp.nn.Dense`` 4096 x 4096, bf16, ``G = 8``), stage 0, at 2,048
+and 8,192 rows per micro-batch: unfused, fused, fused as it was before ``3544347`` (the kernels
+lifted to fp32 once, ahead of the micro-batch loop: ``before``), and both again with XLA's
+Triton GEMM fusions off (``xla_gpu_enable_triton_gemm=False``). Per variant: ms/step (median of
+7 rounds of 5 steps), compile seconds, temp bytes, the GEMM backends in the compiled program and
+the 14 longest kernels by name from a profile of 3 steps (launches and ms per step).
+
+Run on a GPU host (one JSON line per variant, also appended to ``$OUT/fusion_kernels.jsonl``
+when ``OUT`` is set)::
+
+    PYTHONPATH=. python bench/gpu_fusion_kernels.py
+
+Check on a CPU: ``PYTHONPATH=. python bench/gpu_fusion_kernels.py --tiny``.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+import optax
+from jax.profiler import ProfileData
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_fusion
+
+from jaxdp import DataParallel, DDPConfig, _kernels
+from jaxdp.nn import _fusion
+
+G = 8
+OPTIONS: dict[str, Any] = {
+    "default": None,
+    "before": None,
+    "notriton": {"xla_gpu_enable_triton_gemm": False},
+}
+NEW_PREPARE = _kernels.ReduceAtEnd.prepare
+
+
+def before_prepare(self: Any, params: Any, mb0: Any) -> Any:
+    """The kernels lifted to fp32 once, ahead of the micro-batch loop (before ``3544347``)."""
+    wv = self.ops.varying(self.source(params))
+    lift, fused = _fusion.fused_function(self.parts, wv, mb0)
+    return lift(wv), jax.value_and_grad(fused, has_aux=True), fused
+
+
+def kernel_times(step: Any, state: Any, batch: Any, n: int = 3) -> tuple[Any, dict[str, Any]]:
+    """``(state, {kernel name: (launches, ms) per step})`` from a profile of ``n`` steps."""
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(n):
+                state, m = step(state, batch)
+            jax.block_until_ready((state, m))
+        files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return state, {}
+        planes = ProfileData.from_file(files[0]).planes
+    ns: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" in line.name.lower():
+                for e in line.events:
+                    ns[e.name] += e.duration_ns
+                    count[e.name] += 1
+    return state, {k: (count[k] / n, ns[k] / n / 1e6) for k in ns}
+
+
+def variant(width: int, depth: int, rows: int, options: str, fuse: bool) -> dict[str, Any]:
+    loss_fn, params, data = bench_fusion._mlp_problem(width, depth, rows * G)
+    _kernels.ReduceAtEnd.prepare = before_prepare if options == "before" else NEW_PREPARE
+    cfg = DDPConfig(
+        zero_stage=0,
+        num_microbatches=G,
+        param_dtype="bfloat16",
+        grad_reduce_in_fp32=True,
+        gradient_accumulation_fusion=fuse,
+    )
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, compiler_options=OPTIONS[options])
+    state, batch = dp.init(params), dp.shard_batch(data)
+    t0 = time.perf_counter()
+    compiled = dp.step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    backends = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+    backends.update(re.findall(r'"kind":"(__triton\w*)"', text))
+    mem = compiled.memory_analysis()
+    for _ in range(3):
+        state, _ = dp.step(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            state, _ = dp.step(state, batch)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / 5)
+    state, kernels = kernel_times(dp.step, state, batch)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]
+    return {
+        "rows": rows,
+        "options": options,
+        "fused": fuse,
+        "ms": 1e3 * statistics.median(times),
+        "compile_s": round(compile_s, 2),
+        "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2**30,
+        "backends": dict(backends),
+        "kernel_ms": round(sum(v[1] for v in kernels.values()), 3),
+        "top": [(k[:90], round(c, 1), round(t, 3)) for k, (c, t) in top],
+    }
+
+
+def main(argv: list[str]) -> list[dict[str, Any]]:
+    tiny = "--tiny" in argv
+    width, depth = (256, 2) if tiny else (4096, 8)
+    out = []
+    for rows in [16] if tiny else [2048, 8192]:
+        for options in OPTIONS:
+            for fuse in (True,) if options == "before" else (False, True):
+                try:
+                    r = variant(width, depth, rows, options, fuse)
+                except Exception as e:  # one variant's failure must not cost the others
+                    r = {"rows": rows, "options": options, "fused": fuse, "error": repr(e)[:300]}
+                finally:
+                    _kernels.ReduceAtEnd.prepare = NEW_PREPARE
+                print(json.dumps(r), flush=True)
+                if os.environ.get("OUT"):
+                    with open(os.path.join(os.environ["OUT"], "fusion_kernels.jsonl"), "a") as f:
+                        f.write(json.dumps(r) + "\n")
+                out.append(r)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
