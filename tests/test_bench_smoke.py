@@ -52,14 +52,23 @@ def test_run_all_quick(tmp_path):
 
 def test_bench_gpu_tiny_writes_its_section(tmp_path):
     """``bench/bench_gpu.py --tiny`` (the GPU command's script check on the CPU): every
-    chosen variant runs, and ``--write`` replaces only the marked block of a BENCHMARKS.md."""
+    chosen variant runs (``--bare-again``: the bare step timed once more after the jaxdp
+    rows), the caller's own ``XLA_FLAGS`` are named, and ``--write`` replaces only the marked
+    block of a BENCHMARKS.md."""
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# x\n\n<!-- bench_gpu:start -->\nold\n<!-- bench_gpu:end -->\n\ntail\n")
-    args = ["--tiny", "--stages", "3", "--accum", "4", "--write", str(out)]
-    _run_bench("bench_gpu.py", *args, xla_flags="--xla_force_host_platform_device_count=2")
+    args = ["--tiny", "--stages", "3", "--accum", "4", "--bare-again", "--write", str(out)]
+    flags = "--xla_force_host_platform_device_count=2"
+    _run_bench("bench_gpu.py", *args, xla_flags=flags)
     text = out.read_text()
     assert "old" not in text and text.startswith("# x") and text.rstrip().endswith("tail")
-    for variant in ("bare jit, 1 device", "jaxdp stage 3, G = 4, 2 devices", "fused=True"):
+    for variant in (
+        "bare jit, 1 device, G = 4 |",
+        "jaxdp stage 3, G = 4, 2 devices",
+        "bare jit, 1 device, G = 4, again |",
+        "fused=True",
+        f"the caller's own: {flags}",
+    ):
         assert variant in text, variant
 
 
