@@ -19,7 +19,8 @@ steps and 1 s, **blocking** ms/step (median, ``block_until_ready`` after every s
 ms/call**: how long each of those pipelined calls takes to return (the host's dispatch work
 per step); **device busy** ms/step (a
 ``jax.profiler`` trace of 5 pipelined steps read with ``jax.profiler.ProfileData``: the
-union of the GPU streams' op intervals, divided by 5); **peak** memory of the compiled
+union of the GPU streams' op intervals, divided by 5; the 40 longest kernels by name, launches
+and ms per step, go to ``--jsonl`` only); **peak** memory of the compiled
 program (arguments + outputs - aliased + temp, ``memory_analysis()``); and **MFU** =
 ``tokens/s x (6 N + 12 L T d) / (devices x peak)`` from the pipelined time.
 
@@ -171,10 +172,16 @@ from jaxdp.train._mfu import peak_tflops, train_flops_per_token  # noqa: E402
 
 START, END = "<!-- bench_gpu:start -->", "<!-- bench_gpu:end -->"
 PIPELINE = 15
+#: Kernels by name recorded per variant (``--jsonl``; not in the markdown): what the busy
+#: time is made of, to set a jaxdp row's kernels against the bare row's.
+KERNELS = 40
 
 
-def busy_ms(step: Any, state: Any, batch: Any, n: int = 5) -> tuple[float | None, Any]:
-    """Device busy time per step from a profile: the union of the GPU op intervals."""
+def busy_ms(
+    step: Any, state: Any, batch: Any, n: int = 5
+) -> tuple[float | None, Any, dict[str, list[float]]]:
+    """Device busy time per step from a profile: the union of the GPU op intervals; and the
+    kernel time by name (launches and ms per step), the longest first."""
     with tempfile.TemporaryDirectory(prefix="jaxdp-prof-") as folder:  # removed after reading
         with jax.profiler.trace(folder):
             for _ in range(n):
@@ -182,20 +189,25 @@ def busy_ms(step: Any, state: Any, batch: Any, n: int = 5) -> tuple[float | None
             jax.block_until_ready((state, m))
         files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
         if not files:
-            return None, state
+            return None, state, {}
         from jax.profiler import ProfileData
 
         planes = ProfileData.from_file(files[0]).planes
     spans = []
+    by_name: dict[str, list[float]] = {}
     for plane in planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
             if "stream" not in line.name.lower():
                 continue
-            spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+            for e in line.events:
+                spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                k = by_name.setdefault(e.name, [0.0, 0.0])
+                k[0] += 1 / n
+                k[1] += e.duration_ns / 1e6 / n
     if not spans:
-        return None, state
+        return None, state, {}
     spans.sort()
     total, (lo, hi) = 0.0, spans[0]
     for a, b in spans[1:]:
@@ -203,7 +215,8 @@ def busy_ms(step: Any, state: Any, batch: Any, n: int = 5) -> tuple[float | None
             total, lo, hi = total + hi - lo, a, b
         else:
             hi = max(hi, b)
-    return (total + hi - lo) / 1e6 / n, state
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:KERNELS]
+    return (total + hi - lo) / 1e6 / n, state, {k: [round(c, 2), round(t, 4)] for k, (c, t) in top}
 
 
 def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dict[str, Any]:
@@ -234,10 +247,10 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
         pipelined.append((time.perf_counter() - t0) / PIPELINE)
         host.append(calls / PIPELINE)
     try:
-        busy, state = busy_ms(step, state, batch)
+        busy, state, kernels = busy_ms(step, state, batch)
     except Exception as e:  # a profiler that cannot start must not cost the other numbers
         print(f"profile failed: {type(e).__name__}: {e}", flush=True)
-        busy = None
+        busy, kernels = None, {}
     mem = compiled.memory_analysis()
     peak = None
     if mem is not None:
@@ -252,6 +265,7 @@ def measure(step: Any, compiled: Any, state: Any, batch: Any, steps: int) -> dic
         "pipelined_ms": 1e3 * statistics.median(pipelined),
         "host_ms": 1e3 * statistics.median(host),
         "busy_ms": busy,
+        "kernels": kernels,
         "peak_gib": None if peak is None else peak / 2**30,
     }
 
