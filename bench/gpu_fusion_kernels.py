@@ -5,7 +5,8 @@ and 8,192 rows per micro-batch: unfused, fused, fused as it was before ``3544347
 lifted to fp32 once, ahead of the micro-batch loop: ``before``), and both again with XLA's
 Triton GEMM fusions off (``xla_gpu_enable_triton_gemm=False``). Per variant: ms/step (median of
 7 rounds of 5 steps), compile seconds, temp bytes, the GEMM backends in the compiled program and
-the 14 longest kernels by name from a profile of 3 steps (launches and ms per step).
+the 14 longest kernels by name from a profile of 3 steps (launches and ms per step,
+``bench_gpu.busy_ms``).
 
 Run on a GPU host (one JSON line per variant, also appended to ``$OUT/fusion_kernels.jsonl``
 when ``OUT`` is set)::
@@ -18,22 +19,20 @@ Check on a CPU: ``PYTHONPATH=. python bench/gpu_fusion_kernels.py --tiny``.
 from __future__ import annotations
 
 import collections
-import glob
 import json
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import jax
 import optax
-from jax.profiler import ProfileData
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_fusion
+import bench_gpu
 
 from jaxdp import DataParallel, DDPConfig, _kernels
 from jaxdp.nn import _fusion
@@ -52,30 +51,6 @@ def before_prepare(self: Any, params: Any, mb0: Any) -> Any:
     wv = self.ops.varying(self.source(params))
     lift, fused = _fusion.fused_function(self.parts, wv, mb0)
     return lift(wv), jax.value_and_grad(fused, has_aux=True), fused
-
-
-def kernel_times(step: Any, state: Any, batch: Any, n: int = 3) -> tuple[Any, dict[str, Any]]:
-    """``(state, {kernel name: (launches, ms) per step})`` from a profile of ``n`` steps."""
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            for _ in range(n):
-                state, m = step(state, batch)
-            jax.block_until_ready((state, m))
-        files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return state, {}
-        planes = ProfileData.from_file(files[0]).planes
-    ns: collections.Counter[str] = collections.Counter()
-    count: collections.Counter[str] = collections.Counter()
-    for plane in planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" in line.name.lower():
-                for e in line.events:
-                    ns[e.name] += e.duration_ns
-                    count[e.name] += 1
-    return state, {k: (count[k] / n, ns[k] / n / 1e6) for k in ns}
 
 
 def variant(width: int, depth: int, rows: int, options: str, fuse: bool) -> dict[str, Any]:
@@ -107,8 +82,8 @@ def variant(width: int, depth: int, rows: int, options: str, fuse: bool) -> dict
             state, _ = dp.step(state, batch)
         jax.block_until_ready(state)
         times.append((time.perf_counter() - t0) / 5)
-    state, kernels = kernel_times(dp.step, state, batch)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]
+    busy, state, kernels = bench_gpu.busy_ms(dp.step, state, batch, n=3)
+    top = list(kernels.items())[:14]
     return {
         "rows": rows,
         "options": options,
@@ -117,8 +92,8 @@ def variant(width: int, depth: int, rows: int, options: str, fuse: bool) -> dict
         "compile_s": round(compile_s, 2),
         "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2**30,
         "backends": dict(backends),
-        "kernel_ms": round(sum(v[1] for v in kernels.values()), 3),
-        "top": [(k[:90], round(c, 1), round(t, 3)) for k, (c, t) in top],
+        "busy_ms": busy,
+        "top": [(k[:90], c, t) for k, (c, t) in top],
     }
 
 

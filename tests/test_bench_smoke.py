@@ -90,3 +90,9 @@ def test_compile_peers_measure():
     ``jit`` returning its gradient norm, and the GSPMD ZeRO-1 peer that also does."""
     for variant in ("plain+norm", "zero1+norm"):
         _run_bench("bench_compile.py", "--one", "cpu", "2", variant)
+
+
+def test_gpu_fusion_kernels_tiny():
+    """``bench/gpu_fusion_kernels.py --tiny``: every variant of the per-kernel fusion probe (the
+    kernels lifted ahead of the loop, as before ``3544347``, among them) compiles and runs."""
+    _run_bench("gpu_fusion_kernels.py", "--tiny")
