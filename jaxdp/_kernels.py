@@ -191,11 +191,12 @@ class ReduceAtEnd(Kernel):
         wv = self.ops.varying(self.source(params))
         if not self.config.gradient_accumulation_fusion:
             return wv, jax.value_and_grad(self.parts, has_aux=True), self.parts
-        # jaxdp.nn kernels differentiated as fp32, lifted in each micro-batch's own body (where
-        # XLA cancels the upcast against the layer's cast back), not once ahead of the loop.
+        # jaxdp.nn kernels differentiated as fp32: those of nn.scan stacks lifted once, here,
+        # the others in each micro-batch's own body (jaxdp.nn._fusion.Lift says why).
         lift, fused = fused_function(self.parts, wv, mb0)
         vg = jax.value_and_grad(fused, has_aux=True)
-        return wv, lambda w, mb: vg(lift(w), mb), lambda w, mb: fused(lift(w), mb)
+        within = lift.within
+        return lift.ahead(wv), lambda w, mb: vg(within(w), mb), lambda w, mb: fused(within(w), mb)
 
     def forward(self, ctx: Any, mb: Any) -> Any:
         return ctx[2](ctx[0], mb)

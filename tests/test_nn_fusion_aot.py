@@ -174,3 +174,56 @@ def test_fused_loop_carries_no_fp32_copy_of_the_kernels(mesh, stage):
     # the loop carries no more kernel-shaped fp32 arrays than the unfused one (accumulators)
     carried = [b[0][0].count(f"f32[{W},{W}]") for b in (bodies, _loop_bodies(unfused))]
     assert carried[0] <= carried[1], carried
+
+
+class _Block(linen.Module):
+    @linen.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(W, use_bias=False, dtype=jnp.bfloat16, name="d")(x)), None
+
+
+class ScannedMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        stack = linen.scan(
+            _Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L
+        )
+        return stack(name="stack")(x, None)[0]
+
+
+L = 3
+
+
+def test_scanned_stacks_are_lifted_once_ahead_of_the_loop(mesh):
+    """A layer in an ``nn.scan`` reads a slice of its stacked kernel, and its cast back to bf16
+    sits in the model's own loop, where XLA cannot cancel it against the upcast: the stacks are
+    lifted once, ahead of the micro-batch loop (``jaxdp.nn._fusion.Lift.ahead``). Lifted in
+    each micro-batch's body instead, they cost an fp32 copy a micro-batch (compiled for 8 H100s,
+    an 8-layer scanned GPT of width 512, G = 4: peak 1.34 -> 1.44 GiB)."""
+    model = ScannedMLP()
+    x0 = jnp.ones((1, W), jnp.bfloat16)  # the scan's carry stays bf16
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), x0)["params"])
+    assert params["stack"]["d"]["kernel"].shape == (L, W, W)
+
+    def loss_fn(p, b):
+        return jnp.mean(model.apply({"params": p}, b["x"]).astype(jnp.float32) ** 2)
+
+    cfg = DDPConfig(num_microbatches=G, param_dtype="bfloat16", gradient_accumulation_fusion=True)
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
+    batch = {"x": jax.ShapeDtypeStruct((8 * G * 64, W), jnp.bfloat16)}
+    text = compile_step(dp, params, batch).as_text()
+    comps = computations(text)
+    upcast = rf"= f32\[{L},{W},{W}\]\S* fusion\(.*calls=%([^,\s]+)"
+    bodies = _loop_bodies(text)
+    assert bodies
+    for _, lines in bodies:  # the stack is never upcast inside a loop
+        for line in lines:
+            m = re.search(upcast, line)
+            if m and m.group(1) in comps:
+                assert f"bf16[{L},{W},{W}]" not in comps[m.group(1)][0], line[:200]
+    # ... but once, ahead of it
+    assert any(
+        f"bf16[{L},{W},{W}]" in comps[m.group(1)][0]
+        for m in re.finditer(upcast, text)
+        if m.group(1) in comps
+    )

@@ -37,6 +37,11 @@ Limits, all of which fall back to correct but unfused (or differently promoted) 
   a relative path would both be marked;
 * nnx layers are matched by array identity, so ``nnx.scan``/``nnx.vmap``-ed ``Linear`` layers
   (which see slices) keep the unfused path; linen ``nn.scan`` fuses.
+* linen ``nn.scan`` stacks are upcast once per step, ahead of the micro-batch loop, and the
+  step carries that fp32 copy (:class:`Lift`): their layers cast a slice back to bf16 inside
+  the model's loop, where XLA cannot cancel the pair. Compiled for 8 H100s, an 8-layer scanned
+  GPT of width 512 at ``G = 4`` moved 748 gradient volumes of non-GEMM traffic fused against
+  649 unfused, at a peak of 1.34 against 1.08 GiB.
 """
 
 from __future__ import annotations
@@ -54,14 +59,15 @@ from jax import lax
 
 from .._layout import path_str
 
-__all__ = ["fused_matmul", "fused_value_and_grad", "fusion_dtype"]
+__all__ = ["Lift", "fused_matmul", "fused_value_and_grad", "fusion_dtype"]
 
 
 @dataclasses.dataclass
 class _Scope:
     discover: bool
-    # discovery: what the layers reported
-    paths: set[str] = dataclasses.field(default_factory=set)
+    # discovery: what the layers reported (linen: module path -> the kernel's shape as the layer
+    # saw it, a slice of the leaf inside nn.scan)
+    paths: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     ids: set[int] = dataclasses.field(default_factory=set)
     # fused trace: kernel -> working dtype to compute in
     by_path: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -109,7 +115,7 @@ def fusion_dtype(kernel: Any, path: tuple[str, ...] | None = None) -> Any:
     key = None if path is None else "/".join((*path, "kernel"))
     if scope.discover:
         if key is not None:
-            scope.paths.add(key)
+            scope.paths[key] = tuple(kernel.shape)
         else:
             scope.ids.add(id(kernel))
         return None
@@ -118,6 +124,28 @@ def fusion_dtype(kernel: Any, path: tuple[str, ...] | None = None) -> Any:
     if key is not None and key in scope.by_path:
         return scope.by_path[key]
     return scope.by_id.get(id(kernel))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lift:
+    """Upcasts the fused kernels of a params tree to fp32 (exact), in two parts.
+
+    ``within`` lifts the kernels a layer reads whole. Call it where the gradient is taken (in
+    each micro-batch's own body): there the upcast and the layer's cast back to its working
+    dtype meet in one computation, and XLA drops both (``convert(convert(w, f32), bf16)`` is
+    ``w``). Lifted once ahead of a loop over micro-batches instead, the loop carried an fp32
+    copy of every kernel and cast it back to bf16 each micro-batch.
+
+    ``ahead`` lifts the kernels a layer reads a slice of (an ``nn.scan`` stack). Their casts
+    back sit inside the model's own loop, where XLA cannot cancel them, so lifting them per
+    micro-batch would only repeat the upcast: lift them once, ahead of the micro-batch loop.
+    ``lift(p)`` is both."""
+
+    ahead: Callable[[Any], Any]
+    within: Callable[[Any], Any]
+
+    def __call__(self, params: Any) -> Any:
+        return self.within(self.ahead(params))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -200,19 +228,13 @@ def fused_value_and_grad(
     return lift(params), jax.value_and_grad(scoped, has_aux=has_aux)
 
 
-def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[Any, Any]:
+def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[Lift, Any]:
     """``(lift, scoped)``: ``lift(params)`` is :func:`fused_value_and_grad`'s ``diff_params``
-    (the fused kernels upcast to fp32) and ``scoped`` the function it differentiates,
-    ``scoped(lift(params), batch) == fun(params, batch)`` with the fused kernels computing in
-    their working dtype. Evaluate ``fun`` on lifted params only through ``scoped``: outside it
-    a fused layer sees an fp32 kernel and computes in fp32 (which, in an ``nn.scan`` body,
-    changes the carry's dtype).
-
-    Lift where the gradient is taken, not once ahead of a loop over micro-batches: there the
-    upcast and the layer's cast back to its working dtype meet in one computation and XLA
-    drops both (``convert(convert(w, f32), bf16)`` is ``w``). Lifted once outside the loop,
-    the loop carries fp32 copies of the kernels and casts each back to bf16 every
-    micro-batch: a pass over the kernels per micro-batch and an fp32 copy held all step."""
+    (the fused kernels upcast to fp32; :class:`Lift` says where to call its parts) and
+    ``scoped`` the function it differentiates, ``scoped(lift(params), batch) == fun(params,
+    batch)`` with the fused kernels computing in their working dtype. Evaluate ``fun`` on lifted
+    params only through ``scoped``: outside it a fused layer sees an fp32 kernel and computes in
+    fp32 (which, in an ``nn.scan`` body, changes the carry's dtype)."""
     kps, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [v for _, v in kps]
     paths = [path_str(k) for k, _ in kps]
@@ -237,11 +259,22 @@ def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[
     }
     work = {i: _leaf_dtype(leaves[i]) for i in marked}
 
-    def lift(p: Any) -> Any:
-        flat = jax.tree_util.tree_leaves(p)
-        return jax.tree_util.tree_unflatten(
-            treedef, [x.astype(jnp.float32) if i in marked else x for i, x in enumerate(flat)]
-        )
+    # kernels a layer saw a slice of (nn.scan stacks): lifted ahead of the micro-batch loop
+    sliced = {
+        i
+        for i in marked
+        if (key := _match(paths[i], found.paths)) is not None
+        and found.paths[key] != tuple(leaves[i].shape)
+    }
+
+    def lifting(which: set[int]) -> Callable[[Any], Any]:
+        def lift(p: Any) -> Any:
+            flat = jax.tree_util.tree_leaves(p)
+            return jax.tree_util.tree_unflatten(
+                treedef, [x.astype(jnp.float32) if i in which else x for i, x in enumerate(flat)]
+            )
+
+        return lift
 
     by_path = {}
     for i in marked:
@@ -256,4 +289,4 @@ def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[
         with _scope(scope):
             return fun(p, batch)
 
-    return lift, wrapped
+    return Lift(ahead=lifting(sliced), within=lifting(marked - sliced)), wrapped
