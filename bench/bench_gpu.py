@@ -31,7 +31,9 @@ and jaxdp alike, go in ``XLA_FLAGS`` (e.g. ``--xla_gpu_enable_triton_gemm=false`
 section's header names them.
 
 ``--main-job STEPS`` also runs the main job, ``jaxdp-train --config configs/gpt_300m_gpu.yaml``,
-for STEPS steps in a process of its own and reports its steady tokens/s and MFU.
+for STEPS steps in a process of its own and reports its steady tokens/s and MFU;
+``--main-job-set KEY=VALUE`` (repeatable) is passed to its ``--set``, e.g.
+``gradient_accumulation_fusion=true``.
 
 The XLA flags of :func:`jaxdp.xla_flags` are tried in a child process first: a jaxlib newer
 than jaxdp's flag table may have dropped one, and XLA aborts on an unknown flag; any it refuses
@@ -114,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--main-job", type=int, default=0, metavar="STEPS", help="run jaxdp-train this long"
     )
     p.add_argument("--main-job-timeout", type=float, default=180.0, help="seconds")
+    p.add_argument(
+        "--main-job-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="passed to jaxdp-train's --set, e.g. gradient_accumulation_fusion=true (repeatable)",
+    )
     p.add_argument("--dump-hlo", default=None, help="write the fusion MLP's compiled programs here")
     return p.parse_args(argv)
 
@@ -395,15 +404,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_CONFIG = "configs/gpt_300m_gpu.yaml"
 
 
-def main_job(steps: int, config: str = MAIN_CONFIG, timeout: float = 180.0) -> dict[str, Any]:
+def main_job(
+    steps: int, config: str = MAIN_CONFIG, timeout: float = 180.0, sets: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """``jaxdp-train --config configs/gpt_300m_gpu.yaml`` for ``steps`` steps in a child process
-    (its own XLA flags, its default corpus): the summary it writes, or why there is none."""
+    (its own XLA flags, its default corpus; ``sets``: more of its ``--set KEY=VALUE``): the
+    summary it writes, or why there is none."""
     out = tempfile.mkdtemp(prefix="jaxdp-main-job-")
     cmd = [
         sys.executable, "-m", "jaxdp.train", "--config", config, "--steps", str(steps),
         "--out", out, "--overwrite", "--set", "train.sample_bytes=0", "--set",
         "train.eval_batches=1", "--set", f"train.log_every={max(steps // 4, 1)}",
     ]  # fmt: skip
+    for kv in sets:
+        cmd += ["--set", kv]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     # XLA_FLAGS passes on: the main job runs with the flags the bench checked and uses.
@@ -413,15 +427,18 @@ def main_job(steps: int, config: str = MAIN_CONFIG, timeout: float = 180.0) -> d
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s", "steps": steps, "config": config}
+        return {"error": f"timed out after {timeout:.0f} s", "steps": steps, "config": config,
+                "sets": list(sets)}  # fmt: skip
     summary = os.path.join(out, "summary.json")
     if run.returncode != 0 or not os.path.exists(summary):
         tail = (run.stdout + run.stderr)[-2000:]
-        return {"error": f"exit {run.returncode}: {tail}", "steps": steps, "config": config}
+        return {"error": f"exit {run.returncode}: {tail}", "steps": steps, "config": config,
+                "sets": list(sets)}  # fmt: skip
     with open(summary) as f:
         info = json.load(f)
     info.pop("sample", None)
-    return {**info, "steps": steps, "config": config, "process_s": time.perf_counter() - t0}
+    done = {"steps": steps, "config": config, "sets": list(sets)}
+    return {**info, **done, "process_s": time.perf_counter() - t0}
 
 
 def text_corpus(context: int) -> tuple[np.ndarray, str]:
@@ -506,7 +523,11 @@ def markdown(
                 f"{speed} | {r['compile_s']:.1f} |"
             )
     if job is not None:
-        lines += ["", f"Main job: `jaxdp-train --config {job['config']} --steps {job['steps']}`"]
+        sets = "".join(f" --set {kv}" for kv in job.get("sets", []))
+        lines += [
+            "",
+            f"Main job: `jaxdp-train --config {job['config']} --steps {job['steps']}{sets}`",
+        ]
         if "error" in job:
             lines.append(f"failed: {job['error'][-500:]!r}")
         else:
@@ -548,7 +569,7 @@ def main(argv: list[str] | None = None) -> str:
     job: dict[str, Any] | None = None
     if args.main_job:  # first: this process's backend would hold most of the GPU's memory
         config = "configs/gpt_tiny.yaml" if args.tiny else MAIN_CONFIG
-        job = main_job(args.main_job, config, args.main_job_timeout)
+        job = main_job(args.main_job, config, args.main_job_timeout, tuple(args.main_job_set))
         print("main job", job, flush=True)
     n = jax.device_count()
     cfg = GPTConfig(
