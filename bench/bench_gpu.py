@@ -410,6 +410,7 @@ def main_job(
     """``jaxdp-train --config configs/gpt_300m_gpu.yaml`` for ``steps`` steps in a child process
     (its own XLA flags, its default corpus; ``sets``: more of its ``--set KEY=VALUE``): the
     summary it writes, or why there is none."""
+    meta = {"steps": steps, "config": config, "sets": list(sets)}
     out = tempfile.mkdtemp(prefix="jaxdp-main-job-")
     cmd = [
         sys.executable, "-m", "jaxdp.train", "--config", config, "--steps", str(steps),
@@ -427,18 +428,15 @@ def main_job(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s", "steps": steps, "config": config,
-                "sets": list(sets)}  # fmt: skip
+        return {"error": f"timed out after {timeout:.0f} s", **meta}
     summary = os.path.join(out, "summary.json")
     if run.returncode != 0 or not os.path.exists(summary):
         tail = (run.stdout + run.stderr)[-2000:]
-        return {"error": f"exit {run.returncode}: {tail}", "steps": steps, "config": config,
-                "sets": list(sets)}  # fmt: skip
+        return {"error": f"exit {run.returncode}: {tail}", **meta}
     with open(summary) as f:
         info = json.load(f)
     info.pop("sample", None)
-    done = {"steps": steps, "config": config, "sets": list(sets)}
-    return {**info, **done, "process_s": time.perf_counter() - t0}
+    return {**info, **meta, "process_s": time.perf_counter() - t0}
 
 
 def text_corpus(context: int) -> tuple[np.ndarray, str]:

@@ -54,7 +54,7 @@ def compiled_text(mesh, stage, fuse):
     return compile_step(dp, params, batch).as_text()
 
 
-_HEADER = re.compile(r"^%(\S+) \((.*)\) -> (\S+) \{$")
+_HEADER = re.compile(r"^%(\S+) \((.*)\) -> (.+) \{$")  # a loop body returns a tuple
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? (\S+?)\((.*?)\)")
 
 
@@ -141,19 +141,9 @@ def test_unfused_wgrad_gemm_rounds_to_bf16(mesh):
 
 
 def _loop_bodies(text):
-    """(parameter list, instruction lines) of every while loop's body."""
-    names = set(re.findall(r" while\(.*?body=%([^,\s]+)", text))
-    out, body = [], None
-    for line in text.splitlines():
-        m = re.match(r"^%(\S+) \((.*)\) -> .* \{$", line)
-        if m and m.group(1) in names:
-            body = (m.group(2), [])
-            out.append(body)
-        elif body is not None and line.startswith("}"):
-            body = None
-        elif body is not None:
-            body[1].append(line)
-    return out
+    """(parameter list, result, instruction lines) of every while loop's body."""
+    comps = computations(text)
+    return [comps[n] for n in sorted(set(re.findall(r" while\(.*?body=%([^,\s]+)", text)))]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -167,7 +157,7 @@ def test_fused_loop_carries_no_fp32_copy_of_the_kernels(mesh, stage):
     comps = computations(text)
     bodies = _loop_bodies(text)
     assert len(bodies) == 1  # G = 4: the micro-batches run in one loop
-    for line in bodies[0][1]:  # nothing kernel-shaped is cast from fp32 to bf16 in the loop
+    for line in bodies[0][2]:  # nothing kernel-shaped is cast from fp32 to bf16 in the loop
         m = re.search(rf"= bf16\[{W},{W}\]\S* fusion\(.*calls=%([^,\s]+)", line)
         if m and m.group(1) in comps:
             assert f"f32[{W},{W}]" not in comps[m.group(1)][0], line[:200]
@@ -216,7 +206,7 @@ def test_scanned_stacks_are_lifted_once_ahead_of_the_loop(mesh):
     upcast = rf"= f32\[{L},{W},{W}\]\S* fusion\(.*calls=%([^,\s]+)"
     bodies = _loop_bodies(text)
     assert bodies
-    for _, lines in bodies:  # the stack is never upcast inside a loop
+    for _, _, lines in bodies:  # the stack is never upcast inside a loop
         for line in lines:
             m = re.search(upcast, line)
             if m and m.group(1) in comps:

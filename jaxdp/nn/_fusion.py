@@ -250,13 +250,15 @@ def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[
             return fun(p, batch)
 
     jax.eval_shape(probe, params, example)
+    keys = [_match(path, found.paths) for path in paths]  # the layer path each leaf matched
+    reported = {index_of.get(j) for j in found.ids}
     marked = {
         i
-        for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True))
+        for i, leaf in enumerate(leaves)
         if jnp.issubdtype(_leaf_dtype(leaf), jnp.floating)
         and _leaf_dtype(leaf).itemsize <= 4
         and getattr(leaf, "ndim", 0) >= 2
-        and (_match(path, found.paths) is not None or i in {index_of.get(j) for j in found.ids})
+        and (keys[i] is not None or i in reported)
     }
     work = {i: _leaf_dtype(leaves[i]) for i in marked}
 
@@ -264,8 +266,7 @@ def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[
     sliced = {
         i
         for i in marked
-        if (key := _match(paths[i], found.paths)) is not None
-        and found.paths[key] != tuple(leaves[i].shape)
+        if (key := keys[i]) is not None and found.paths[key] != tuple(leaves[i].shape)
     }
 
     def lifting(which: set[int]) -> Callable[[Any], Any]:
@@ -277,11 +278,7 @@ def fused_function(fun: Callable[..., Any], params: Any, example: Any) -> tuple[
 
         return lift
 
-    by_path = {}
-    for i in marked:
-        key = _match(paths[i], found.paths)
-        if key is not None:
-            by_path[key] = work[i]
+    by_path = {key: work[i] for i in marked if (key := keys[i]) is not None}
 
     def wrapped(p: Any, batch: Any) -> Any:
         scope = _Scope(discover=False, by_path=by_path)
