@@ -10,6 +10,7 @@ from _gpt_nn import gpt_batches, gpt_loss, gpt_params
 from _models import capture_grads
 from flax import nnx
 
+import jaxdp
 from jaxdp import DataParallel, DDPConfig, nn
 from jaxdp.nn import fused_value_and_grad
 
@@ -116,9 +117,9 @@ def reduced_grad(dp, state):
 G, DP, ROWS, IN, OUT = 8, 8, 16, 64, 32
 
 
-def _dense_problem():
+def _dense_problem(dp=DP):
     rng = np.random.default_rng(0)
-    n = G * DP * ROWS
+    n = G * dp * ROWS
     x = jnp.asarray(rng.standard_normal((n, IN)), BF16)
     # bf16 targets and a power-of-two row count: dy = t / ROWS is exact in bf16, so the only
     # rounding left is the weight gradient's own.
@@ -127,9 +128,11 @@ def _dense_problem():
     return {"x": x, "t": t}, ref
 
 
+@pytest.mark.parametrize("dp_size", [3, 6, DP])  # 3 and 6: the kernel's shards are padded
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_fused_wgrad_error_vs_float64(stage):
-    batch, ref = _dense_problem()
+def test_fused_wgrad_error_vs_float64(stage, dp_size):
+    batch, ref = _dense_problem(dp_size)
+    mesh = jaxdp.make_mesh(jax.devices()[:dp_size])
     layer = nn.Dense(OUT, use_bias=False, dtype=BF16)
     params = layer.init(jax.random.key(0), batch["x"][:1])["params"]
 
@@ -146,12 +149,12 @@ def test_fused_wgrad_error_vs_float64(stage):
             grad_reduce_in_fp32=True,
             gradient_accumulation_fusion=fuse,
         )
-        dp = DataParallel(loss_fn, capture_grads(), cfg)
+        dp = DataParallel(loss_fn, capture_grads(), cfg, mesh=mesh)
         state = dp.init(params)
         state, _ = dp.step(state, dp.shard_batch(batch))
         g = np.asarray(reduced_grad(dp, state)["kernel"], np.float64)
         errs[fuse] = np.linalg.norm(g - ref) / np.linalg.norm(ref)
-    print(f"stage {stage}: fused {errs[True]:.2e}, unfused {errs[False]:.2e}")
+    print(f"stage {stage}, dp {dp_size}: fused {errs[True]:.2e}, unfused {errs[False]:.2e}")
     assert errs[True] <= 1e-5
     # The unfused path rounds each micro-batch's weight gradient to bf16 (2**-9 relative).
     assert errs[False] > 1e-4
