@@ -32,6 +32,7 @@ from ._group import ReductionGroup
 from ._layout import BucketLayout
 from ._loss import LossCall, check_init_inputs, plain_loss
 from ._mesh import auto_mesh, check_mesh, make_mesh
+from ._order import hold
 from ._plan import Plan, build_plan, check_engine_args
 from ._state import TrainState
 from ._state_build import build_state, per_leaf_plan
@@ -102,6 +103,8 @@ class DataParallel:
         self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
+        # One rank holds the donated params until the gradient norm (jaxdp._order.hold).
+        self._holds_params = donate and self.dp == 1
         first = self.mesh.devices.flat[0]
         self.compiler_options = engine_compiler_options(
             compiler_options, config, dp_size=self.dp, platform=self.group.platform, device=first
@@ -371,12 +374,16 @@ class DataParallel:
         grads, metrics, model_state = strategy.local_step(
             self.loss_fn, state.params, batch, call, state.model_state, key
         )
+        target = strategy.target(state)
+        if self._holds_params:
+            target, norm = hold(target, state.params, metrics["grad_norm"])
+            metrics = {**metrics, "grad_norm": norm}
         new_target, opt_state = optimizer_update(
             self.optimizer,
             grads,
             metrics["grad_norm"],
             state.opt_state,
-            strategy.target(state),
+            target,
             self.config,
         )
         params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])

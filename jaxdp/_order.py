@@ -4,6 +4,7 @@ XLA's GPU pipeline drops ``optimization_barrier`` before it schedules a program,
 latency-hiding scheduler, with memory to spare, is free to hoist independent work early (a
 collective, or a whole micro-batch) and keep its buffers alive meanwhile. :func:`after` makes
 the order a data dependence instead, at the cost of one fused elementwise OR, bit-exact.
+:func:`hold` keeps buffers allocated until a value is computed (one ``optimization_barrier``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["after"]
+__all__ = ["after", "hold"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -61,3 +62,29 @@ def after(x: Any, dep: Any) -> Any:
         zero = zero | _zero_from(d)
 
     return jax.tree.map(lambda v: _or_zero(v, zero), x)
+
+
+def hold(x: Any, keep: Any, until: jax.Array) -> tuple[Any, jax.Array]:
+    """``(x, until)``, the same values, passed through one ``optimization_barrier`` with
+    ``keep``: what reads the returned ``x`` waits for ``until``, and ``keep`` counts as read
+    there, so XLA keeps its buffers allocated until then.
+
+    The step at dp = 1 holds the donated params until the gradient norm, ahead of the
+    optimizer update (:meth:`jaxdp.DataParallel._step_fn`). Otherwise, once the backward
+    pass has last read a param, XLA places temporaries in its buffer until the update
+    writes the new param there. XLA assumes only 16-byte alignment for a buffer passed in
+    (256 for its own), so the same fusion in two layers then compiles as two GPU kernels:
+    on one compile-only H100, a 12-layer GPT's stage-1 step compiled 120 kernels (1.50 MB of
+    PTX) against the bare step's 91, and 91 (1.04 MB) holding the params; stage 3 136 and 94
+    (``bench/gpu_kernels.py``).
+    With more ranks the update would wait for the last reduce-scatter, which it now
+    overlaps, so only one rank holds (BENCHMARKS.md section 13).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> x, norm = hold(jnp.arange(3.0), jnp.ones(2), jnp.float32(2.0))
+        >>> x.tolist(), float(norm)
+        ([0.0, 1.0, 2.0], 2.0)
+    """
+    x, _, until = jax.lax.optimization_barrier((x, keep, until))
+    return x, until

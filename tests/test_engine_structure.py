@@ -303,3 +303,39 @@ def test_last_microbatch_peeled_only_where_collectives_follow(stage):
     assert dots(jax.devices(), 4) == (2 * once if stage < 2 else once)
     # No overlap wanted (Megatron's overlap_grad_reduce=False): nothing peeled either.
     assert dots(jax.devices(), 4, overlap_grad_reduce=False) == once
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_rank_holds_the_donated_params_until_the_norm(stage):
+    """At dp = 1 the optimizer's target passes through one ``optimization_barrier`` with the
+    donated params and the gradient norm (:func:`jaxdp._order.hold`), so that XLA leaves
+    the params' buffers alone until the backward pass ends; the barrier is an identity, so
+    the step is the same bit for bit as without it (an engine that does not donate does not
+    hold). With more ranks, and without donation, nothing is held."""
+
+    def engine(devices, donate=True):
+        cfg = DDPConfig(zero_stage=stage, bucket_size=150)
+        return DataParallel(
+            mse_loss, optax.adamw(1e-3), cfg, mesh=make_mesh(devices), donate=donate
+        )
+
+    def barriers(dp):
+        state = dp.init(mlp_params())
+        text = dp.step.lower(state, dp.shard_batch(make_batch(64))).as_text()
+        return len(re.findall(r"stablehlo\.optimization_barrier", text))
+
+    one = jax.devices()[:1]
+    held, plain = engine(one), engine(one, donate=False)
+    assert held._holds_params and not plain._holds_params
+    assert not engine(jax.devices())._holds_params
+    assert barriers(held) == barriers(plain) + 1
+
+    runs = []
+    for dp in (held, plain):
+        state = dp.init(mlp_params())
+        for seed in range(2):
+            state, metrics = dp.step(state, dp.shard_batch(make_batch(64, seed=seed)))
+        runs.append((jax.tree.leaves(dp.params(state)), float(metrics["grad_norm"])))
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert runs[0][1] == runs[1][1]
