@@ -100,3 +100,10 @@ def test_gpu_fusion_kernels_tiny():
     """``bench/gpu_fusion_kernels.py --tiny``: every variant of the per-kernel fusion probe (the
     kernels lifted ahead of the loop, as before ``3544347``, among them) compiles and runs."""
     _run_bench("gpu_fusion_kernels.py", "--tiny")
+
+
+def test_gpu_kernels_tiny(h100):
+    """``bench/gpu_kernels.py`` on a one-layer GPT: a jaxdp step compiles for a compile-only
+    H100 with XLA's dumps on, and its kernels are read from the PTX (``h100``: a skip without
+    the gpu-aot extra)."""
+    _run_bench("gpu_kernels.py", "--layers", "1", "--width", "64", "--variants", "stage1")
