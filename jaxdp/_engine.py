@@ -36,10 +36,9 @@ from ._order import hold
 from ._plan import Plan, build_plan, check_engine_args
 from ._state import TrainState
 from ._state_build import build_state, per_leaf_plan
-from ._step import _batch_signature, _Step
+from ._step import _Step, check_batch
 from ._update import optimizer_update
 from ._xla_flags import engine_compiler_options, with_passes_off
-from ._zero3_scan import warn_if_undetected
 
 __all__ = ["DataParallel", "TrainState"]
 
@@ -265,7 +264,7 @@ class DataParallel:
         On one process this is the global batch; with several processes each passes its own
         slice and the global batch is their concatenation in process order.
         """
-        self._check_batch(batch, local=True)
+        check_batch(self, batch, local=True)
         sharding = self._sharding(self.group.batch_spec())
         if jax.process_count() == 1:
             return jax.device_put(batch, sharding)
@@ -277,73 +276,6 @@ class DataParallel:
             return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
         return jax.tree.map(put, batch)
-
-    def _check_batch(self, batch: Any, local: bool = False) -> None:
-        if not getattr(self, "_detected", True):  # once: init got no batch to find stacks
-            self._detected = True
-            warn_if_undetected(self, batch)
-        # Fast path (host time per step): a batch shaped like the last one that passed is valid.
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        try:
-            seen = (local, treedef, tuple((x.shape, x.dtype) for x in leaves))
-        except AttributeError:  # a leaf that is not an array (a list, a scalar): the full check
-            seen = None
-        if seen is not None and seen == self._batch_ok:
-            return
-        sig = _batch_signature(batch)
-        if not sig:
-            raise ValueError(
-                "DataParallel.step: the batch has no array leaves; expected a pytree of arrays "
-                "whose leading axis is the global batch."
-            )
-        g, dp = self.config.num_microbatches, self.dp
-        div = g * (dp // jax.process_count() if local else dp)
-        lead = {s[1][0] if s[1] else None for s in sig}
-        if None in lead or len(lead) != 1:
-            sized = lead - {None}
-            for p, sh, dt in sig:
-                if not sh and dt.startswith("key<"):  # _batch_signature's typed-key dtype names
-                    size = sized.pop() if len(sized) == 1 else "global_batch"
-                    raise ValueError(
-                        f"DataParallel.step: batch leaf {p} is a single PRNG key (shape (), "
-                        f"dtype {dt}); expected one key per example along the batch's leading "
-                        "axis (a scalar has no batch axis to split over the devices). Fix: "
-                        f"split it, e.g. jax.random.split(key, {size}), and jax.vmap over the keys "
-                        "in loss_fn. (For dropout, init(params, rng=key) hands loss_fn a fresh "
-                        "key every step instead: loss_fn(params, batch, *, rng).)"
-                    )
-            raise ValueError(
-                "DataParallel.step: every batch leaf must share one leading (batch) axis; got "
-                f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."
-            )
-        n = lead.pop()
-        assert n is not None
-        if n % div or n == 0:
-            raise ValueError(
-                f"DataParallel.step: the batch's leading dimension is {n}; expected a positive "
-                f"multiple of num_microbatches x dp = {g} x "
-                f"{div // g} = {div}. Fix: use a global batch of "
-                f"{max(div, n // div * div)} (or {(n // div + 1) * div})."
-            )
-        rest = [(p, sh[1:], dt) for p, sh, dt in sig]
-        if self._batch_sig is None:
-            self._batch_sig = (treedef, rest)
-            self._batch_ok = seen
-            return
-        want_def, want_rest = self._batch_sig
-        if treedef != want_def:
-            raise ValueError(
-                f"DataParallel.step: the batch's tree structure {treedef} differs from the first "
-                f"batch's {want_def}. Fix: keep the same keys in every batch."
-            )
-        for (p, shape, dt), (_, wshape, wdt) in zip(rest, want_rest, strict=True):
-            if shape != wshape or dt != wdt:
-                raise ValueError(
-                    f"DataParallel.step: batch leaf {p} has per-example shape {shape} and dtype "
-                    f"{dt}; expected {wshape} and {wdt} as in the first batch. Fix: pad or cast "
-                    "the batch (a new shape would also force a recompilation)."
-                )
-        self._batch_ok = seen
 
     # ------------------------------------------------------------------ step
     @property
