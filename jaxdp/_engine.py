@@ -308,8 +308,7 @@ class DataParallel:
         )
         target = strategy.target(state)
         if self._holds_params:
-            target, norm = hold(target, state.params, metrics["grad_norm"])
-            metrics = {**metrics, "grad_norm": norm}
+            target = hold(target, state.params, metrics["grad_norm"])
         new_target, opt_state = optimizer_update(
             self.optimizer,
             grads,

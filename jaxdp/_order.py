@@ -64,9 +64,9 @@ def after(x: Any, dep: Any) -> Any:
     return jax.tree.map(lambda v: _or_zero(v, zero), x)
 
 
-def hold(x: Any, keep: Any, until: jax.Array) -> tuple[Any, jax.Array]:
-    """``(x, until)``, the same values, passed through one ``optimization_barrier`` with
-    ``keep``: what reads the returned ``x`` waits for ``until``, and ``keep`` counts as read
+def hold(x: Any, keep: Any, until: jax.Array) -> Any:
+    """``x``, the same values, passed through one ``optimization_barrier`` with ``keep`` and
+    ``until``: what reads the returned ``x`` waits for ``until``, and ``keep`` counts as read
     there, so XLA keeps its buffers allocated until then.
 
     The step at dp = 1 holds the donated params until the gradient norm, ahead of the
@@ -82,9 +82,7 @@ def hold(x: Any, keep: Any, until: jax.Array) -> tuple[Any, jax.Array]:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> x, norm = hold(jnp.arange(3.0), jnp.ones(2), jnp.float32(2.0))
-        >>> x.tolist(), float(norm)
-        ([0.0, 1.0, 2.0], 2.0)
+        >>> hold(jnp.arange(3.0), jnp.ones(2), jnp.float32(2.0)).tolist()
+        [0.0, 1.0, 2.0]
     """
-    x, _, until = jax.lax.optimization_barrier((x, keep, until))
-    return x, until
+    return jax.lax.optimization_barrier((x, keep, until))[0]
