@@ -288,11 +288,24 @@ def bare(
     ``num_microbatches`` does, minus the reduction). Compiled twice: ``cold_compile_s`` pays
     the process's first cuBLAS / cuDNN autotuning, ``compile_s`` (the second) is what the
     engines, compiled after it, are held to."""
-    opt = optax.adamw(1e-4)
+    opt, step = bare_step(model, g)
     dev = jax.devices()[0]
     master = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(params, dev))
     state = (master, opt.init(master))
     batch = jax.device_put(batch, dev)
+    out: dict[str, Any] = {}
+    for key in ("cold_compile_s", "compile_s")[-compiles:]:
+        jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=0)  # a new cache entry each
+        t0 = time.perf_counter()
+        compiled = jitted.lower(state, batch).compile()
+        out[key] = time.perf_counter() - t0
+    return {**out, **measure(compiled, compiled, state, batch, steps)}
+
+
+def bare_step(model: GPT, g: int = 1) -> tuple[Any, Any]:
+    """``(optimizer, step)`` of :func:`bare`: ``step((master, opt_state), batch) -> (state,
+    (loss, grad_norm))``, not jitted (``bench/gpu_kernels.py`` compiles it deviceless)."""
+    opt = optax.adamw(1e-4)
 
     def grads_of(work: Any, tokens: Any) -> Any:
         loss, grads = jax.value_and_grad(lambda p: next_byte_loss(model, p, {"tokens": tokens}))(
@@ -319,13 +332,7 @@ def bare(
         # The gradient norm too: jaxdp's metrics always carry it (one more read of the grads).
         return (optax.apply_updates(master, updates), opt_state), (loss, optax.global_norm(grads))
 
-    out: dict[str, Any] = {}
-    for key in ("cold_compile_s", "compile_s")[-compiles:]:
-        jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=0)  # a new cache entry each
-        t0 = time.perf_counter()
-        compiled = jitted.lower(state, batch).compile()
-        out[key] = time.perf_counter() - t0
-    return {**out, **measure(compiled, compiled, state, batch, steps)}
+    return opt, step
 
 
 def engine(

@@ -3,8 +3,8 @@
 A jaxdp GPT (``jaxdp.models.GPT``, XLA's attention: cuDNN's does not compile without a GPU) is
 compiled for ``--dp`` compile-only H100s (``jaxdp.aot``), the bare step beside it (plain
 ``jit`` of ``value_and_grad`` + AdamW on one device, bf16 params from an fp32 master, as
-``bench_gpu.py``'s bare row). Each variant compiles in a fresh process with XLA's
-``--xla_dump_to`` and ``--xla_gpu_dump_llvmir``, and reports:
+``bench_gpu.py``'s bare row, :func:`bench_gpu.bare_step`). Each variant compiles in a fresh
+process with XLA's ``--xla_dump_to`` and ``--xla_gpu_dump_llvmir``, and reports:
 
 * ``kernels``: GPU kernels in the PTX XLA emitted (``.entry`` functions), and the PTX bytes.
   XLA emits one kernel per distinct fusion, and a fusion repeated in every layer compiles
@@ -68,6 +68,9 @@ def compile_one(variant: str, layers: int, width: int, dp: int, hold: bool) -> f
     from jaxdp import DataParallel, DDPConfig, aot
     from jaxdp.models import next_byte_loss
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_gpu  # imported ahead of the clock
+
     model, _, params, batch = _problem(layers, width, dp)
     mesh = aot.h100_mesh(dp)
 
@@ -75,17 +78,9 @@ def compile_one(variant: str, layers: int, width: int, dp: int, hold: bool) -> f
         return next_byte_loss(model, p, b)
 
     t = time.process_time()
-    if variant == "bare":
-        opt = optax.adamw(1e-4)
+    if variant == "bare":  # bench_gpu.py's bare step, on one compile-only H100
+        opt, step = bench_gpu.bare_step(model)
         sh = SingleDeviceSharding(mesh.devices.flat[0])
-
-        def step(state: Any, b: Any) -> Any:
-            master, opt_state = state
-            work = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
-            loss, g = jax.value_and_grad(lambda p: loss_fn(p, b))(work)
-            g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
-            u, opt_state = opt.update(g, opt_state, master)
-            return (optax.apply_updates(master, u), opt_state), (loss, optax.global_norm(g))
 
         def f32(tree: Any) -> Any:
             return jax.tree.map(
