@@ -14,8 +14,9 @@ process with XLA's ``--xla_dump_to`` and ``--xla_gpu_dump_llvmir``, and reports:
 * ``compile s``: CPU seconds of ``lower(...).compile()`` (one process each; this machine's
   noise is 10-20% between processes, the kernel counts do not move).
 
-``--no-hold`` compiles the jaxdp steps as they were before ``jaxdp._order.hold`` (one rank
-held the donated params only from this change on).
+``--no-hold`` compiles the jaxdp steps without ``jaxdp._order.hold`` (where a donated step
+keeps the old params allocated until the gradient norm: ``Strategy.hold_at``); ``--clip``
+sets the jaxdp steps' ``DDPConfig.clip_grad``, with which stages 0 and 3 hold at dp > 1 too.
 
 Run: ``JAX_PLATFORMS=cpu python bench/gpu_kernels.py [--layers 12 --dp 1]``; one variant:
 ``--one VARIANT`` (``bare``, ``stage0`` ... ``stage3``).
@@ -58,7 +59,9 @@ def _problem(layers: int, width: int, dp: int) -> tuple[Any, Any, Any, Any]:
     return model, cfg, params, batch
 
 
-def compile_one(variant: str, layers: int, width: int, dp: int, hold: bool) -> float:
+def compile_one(
+    variant: str, layers: int, width: int, dp: int, hold: bool, clip: float | None = None
+) -> float:
     """CPU seconds to lower and compile ``variant``'s step (this process)."""
     import jax
     import jax.numpy as jnp
@@ -91,7 +94,7 @@ def compile_one(variant: str, layers: int, width: int, dp: int, hold: bool) -> f
         b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), batch)
         jax.jit(step, donate_argnums=0).lower(state, b).compile()
     else:
-        cfg = DDPConfig(zero_stage=int(variant[-1]), param_dtype="bfloat16")
+        cfg = DDPConfig(zero_stage=int(variant[-1]), param_dtype="bfloat16", clip_grad=clip)
         engine = DataParallel(loss_fn, optax.adamw(1e-4), cfg, mesh=mesh)
         if not hold:
             engine._holds_params = False
@@ -112,7 +115,9 @@ def read_dump(folder: str) -> dict[str, int]:
     }
 
 
-def measure(variant: str, layers: int, width: int, dp: int, hold: bool) -> dict[str, Any]:
+def measure(
+    variant: str, layers: int, width: int, dp: int, hold: bool, clip: float | None = None
+) -> dict[str, Any]:
     """``variant`` compiled in a fresh process with XLA's dumps on."""
     with tempfile.TemporaryDirectory() as folder:
         env = dict(os.environ)
@@ -133,6 +138,8 @@ def measure(variant: str, layers: int, width: int, dp: int, hold: bool) -> dict[
         ]
         if not hold:
             cmd.append("--no-hold")
+        if clip:
+            cmd += ["--clip", str(clip)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode or not line:
@@ -165,17 +172,18 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--variants", default="bare,stage0,stage1,stage3")
     ap.add_argument("--no-hold", action="store_true", help="jaxdp steps without jaxdp._order.hold")
     ap.add_argument("--both", action="store_true", help="each jaxdp step with and without hold")
+    ap.add_argument("--clip", type=float, help="the jaxdp steps' DDPConfig.clip_grad")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        s = compile_one(args.one, args.layers, args.width, args.dp, not args.no_hold)
+        s = compile_one(args.one, args.layers, args.width, args.dp, not args.no_hold, args.clip)
         print("RESULT " + json.dumps({"compile_s": s}))
         return
     rows = []
     for v in args.variants.split(","):
         holds = [True, False] if args.both and v != "bare" else [not args.no_hold]
         for hold in holds:
-            r = measure(v, args.layers, args.width, args.dp, hold)
+            r = measure(v, args.layers, args.width, args.dp, hold, args.clip)
             name = (
                 v
                 if v == "bare" or (hold and not args.both)
@@ -184,7 +192,10 @@ def main(argv: list[str]) -> None:
             r.update(variant=v, name=name)
             rows.append(r)
             print(json.dumps(r), flush=True)
-    print(f"\n{args.layers}-layer GPT of width {args.width}, {args.dp} compile-only H100(s):\n")
+    clip = f", clip_grad={args.clip}" if args.clip else ""
+    print(
+        f"\n{args.layers}-layer GPT of width {args.width}, {args.dp} compile-only H100(s){clip}:\n"
+    )
     print(table(rows))
 
 

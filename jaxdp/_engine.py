@@ -102,8 +102,9 @@ class DataParallel:
         self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
-        # One rank holds the donated params until the gradient norm (jaxdp._order.hold).
-        self._holds_params = donate and self.dp == 1
+        # A donated step holds the old params until the gradient norm where the strategy
+        # says (Strategy.hold_at, jaxdp._order.hold).
+        self._holds_params = donate
         first = self.mesh.devices.flat[0]
         self.compiler_options = engine_compiler_options(
             compiler_options, config, dp_size=self.dp, platform=self.group.platform, device=first
@@ -306,8 +307,9 @@ class DataParallel:
         grads, metrics, model_state = strategy.local_step(
             self.loss_fn, state.params, batch, call, state.model_state, key
         )
+        hold_at = strategy.hold_at if self._holds_params else None
         target = strategy.target(state)
-        if self._holds_params:
+        if hold_at == "update":
             target = hold(target, state.params, metrics["grad_norm"])
         new_target, opt_state = optimizer_update(
             self.optimizer,
@@ -317,7 +319,9 @@ class DataParallel:
             target,
             self.config,
         )
-        params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
+        params, master = strategy.rebuild(
+            new_target, state.params, metrics["grad_norm"], held=hold_at == "gather"
+        )
         new = TrainState(
             step=state.step + 1,
             params=params,

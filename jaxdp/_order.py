@@ -69,16 +69,17 @@ def hold(x: Any, keep: Any, until: jax.Array) -> Any:
     ``until``: what reads the returned ``x`` waits for ``until``, and ``keep`` counts as read
     there, so XLA keeps its buffers allocated until then.
 
-    The step at dp = 1 holds the donated params until the gradient norm, ahead of the
-    optimizer update (:meth:`jaxdp.DataParallel._step_fn`). Otherwise, once the backward
-    pass has last read a param, XLA places temporaries in its buffer until the update
-    writes the new param there. XLA assumes only 16-byte alignment for a buffer passed in
-    (256 for its own), so the same fusion in two layers then compiles as two GPU kernels:
-    on one compile-only H100, a 12-layer GPT's stage-1 step compiled 120 kernels (1.50 MB of
-    PTX) against the bare step's 91, and 91 (1.04 MB) holding the params; stage 3 136 and 94
-    (``bench/gpu_kernels.py``).
-    With more ranks the update would wait for the last reduce-scatter, which it now
-    overlaps, so only one rank holds (BENCHMARKS.md section 13).
+    A step that donates its state holds the old params until the gradient norm where the
+    strategy says (``Strategy.hold_at``; :meth:`jaxdp.DataParallel._step_fn`). Otherwise,
+    once the backward pass has last read a param, XLA places temporaries (gradients, the
+    reduce-scatters' results) in its buffer until the new param is written there. XLA
+    assumes only 16-byte alignment for a buffer passed in (256 for its own), so the same
+    fusion in two layers then compiles as two GPU kernels. A 12-layer GPT (``bench/
+    gpu_kernels.py``), held against not held: one compile-only H100, stages 0-2 91 against
+    120 kernels (the bare step: 91), stage 3 94 against 136; 8 of them, stages 1-2 87
+    against 124, and with clipping stage 0 104 against 156, stage 3 98 against 160.
+    Stages 0 and 3 with more ranks and no clipping do not hold: their updates would wait
+    for the last gradient collective, which they overlap (BENCHMARKS.md section 13).
 
     Example:
         >>> import jax.numpy as jnp

@@ -25,7 +25,8 @@ of the mesh (:mod:`jaxdp._nested`). Everything the engine, ``CheckpointManager``
 * export and checkpoints: :meth:`Strategy.export`, :meth:`Strategy.to_canonical`,
   :meth:`Strategy.from_canonical`, :meth:`Strategy.full_params`;
 * reports: :attr:`Strategy.grad_collectives`, :attr:`Strategy.gathers_per_parameter`,
-  :meth:`Strategy.bytes_per_step`.
+  :meth:`Strategy.bytes_per_step`;
+* where a donated step holds the old params (:attr:`Strategy.hold_at`, :func:`jaxdp._order.hold`).
 
 Like an optax ``GradientTransformation`` a strategy holds no arrays: every method is a pure
 function of its arguments and the static pieces it was built from.
@@ -33,7 +34,6 @@ function of its arguments and the static pieces it was built from.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +50,7 @@ from ._group import ReductionGroup
 from ._layout import BucketLayout
 from ._local import local_gradients
 from ._loss import LossCall, loss_parts
+from ._order import hold
 from ._sharding import ShardingPlan
 from ._state import TrainState
 from ._update import gather_params
@@ -79,6 +80,13 @@ class Strategy:
         reduces_per_parameter: each parameter's gradient is reduced by a collective of its
             own, XLA combining them into bucket-sized ones (no bucket pack or unpack): stage 0
             with a ``psum`` on the wire, and wherever ``gathers_per_parameter`` holds.
+        hold_at: where a step that donates its state keeps the old params allocated until
+            the gradient norm (:func:`jaxdp._order.hold`), so that XLA places no temporaries
+            in their buffers: ``"gather"`` (stages 1-2 gathering per parameter at dp > 1:
+            the new working shards wait, the updates do not), ``"update"`` (the optimizer's
+            target waits, where the update waits for the norm anyway: one rank, or clipping
+            on) or ``None`` (stages 0 and 3 at dp > 1 without clipping, whose updates
+            overlap the last gradient collective).
     """
 
     name = ""
@@ -111,6 +119,8 @@ class Strategy:
         # the opcode of a bucket's gradient collective (jaxdp.aot labels them by it)
         rs_fp32 = config.reduce_scatter_with_fp32_accumulation
         self.grad_collectives: tuple[str, ...] = ("all-to-all",) if rs_fp32 else ("reduce-scatter",)
+        waits = group.size == 1 or bool(config.clip_grad)  # the update waits for the norm
+        self.hold_at: str | None = "update" if waits else None
 
     # ------------------------------------------------------------------ state
     def _work(self, params: Any) -> Any:
@@ -186,9 +196,12 @@ class Strategy:
         )
         return step(params, batch, model_state, key)
 
-    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+    def rebuild(
+        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
+    ) -> tuple[Any, Any]:
         """``(params, master)`` after the update (``params``: the step's input params;
-        ``last``: a value every gradient reduction feeds, to order gathers after)."""
+        ``last``: a value every gradient reduction feeds, to order gathers after; ``held``:
+        keep ``params`` allocated until ``last`` where :attr:`hold_at` is ``"gather"``)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ export, checkpoints
@@ -258,7 +271,9 @@ class Replicated(Strategy):
         self.has_master = any(d != self.master_dtype for d in self.work_dtypes)
         self.grad_collectives = ("all-reduce",)
 
-    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+    def rebuild(
+        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
+    ) -> tuple[Any, Any]:
         if self.has_master:
             return _cast_like(new_target, params), new_target
         return new_target, None
@@ -283,14 +298,22 @@ class ShardedOpt(Strategy):
         self.scatters = scatters_per_step
         self.params_sharded = params_sharded
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
+        if per_parameter and not params_sharded and self.group.size > 1:
+            self.hold_at = "gather"
 
-    def _gather(self, new: Any, params: Any, last: jax.Array) -> Any:
+    def _gather(self, new: Any, params: Any, last: jax.Array, held: bool) -> Any:
+        if held:
+            # The new working shards (cast here, in the update's fusion) wait for the norm
+            # with the old params; the gathers then write over them.
+            new = hold(self.ops.working(new), params, last)
         return gather_params(new, last, self.master_codec, self.params_codec, self.ops)
 
-    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
-        # overlap_param_gather: the next step gathers them; just cast the new master shards
-        rebuild = _cast_like if self.params_sharded else functools.partial(self._gather, last=last)
-        return rebuild(new_target, params), new_target
+    def rebuild(
+        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
+    ) -> tuple[Any, Any]:
+        if self.params_sharded:  # overlap_param_gather: the next step gathers them
+            return _cast_like(new_target, params), new_target
+        return self._gather(new_target, params, last, held), new_target
 
     def bytes_per_step(self) -> int:
         frac, grad, param = self._bytes()
@@ -307,7 +330,9 @@ class ShardedParams(Strategy):
         super().__init__(**kw)
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
 
-    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+    def rebuild(
+        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
+    ) -> tuple[Any, Any]:
         return _cast_like(new_target, params), new_target
 
     def bytes_per_step(self) -> int:

@@ -305,36 +305,51 @@ def test_last_microbatch_peeled_only_where_collectives_follow(stage):
     assert dots(jax.devices(), 4, overlap_grad_reduce=False) == once
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_one_rank_holds_the_donated_params_until_the_norm(stage):
-    """At dp = 1 the optimizer's target passes through one ``optimization_barrier`` with the
-    donated params and the gradient norm (:func:`jaxdp._order.hold`), so that XLA leaves
-    the params' buffers alone until the backward pass ends; the barrier is an identity, so
-    the step is the same bit for bit as without it (an engine that does not donate does not
-    hold). With more ranks, and without donation, nothing is held."""
+@pytest.mark.parametrize(
+    ("stage", "n", "clip", "where"),
+    [
+        (0, 1, None, "update"),
+        (1, 1, None, "update"),
+        (2, 1, None, "update"),
+        (3, 1, None, "update"),
+        (0, 8, None, None),
+        (3, 8, None, None),
+        (0, 6, 1.0, "update"),
+        (3, 3, 1.0, "update"),
+        (1, 8, None, "gather"),
+        (2, 6, None, "gather"),
+        (1, 3, 1.0, "gather"),
+    ],
+)
+def test_a_donated_step_holds_the_params_until_the_norm(stage, n, clip, where):
+    """Where the strategy says (``Strategy.hold_at``), a donated step passes the old params
+    through one ``optimization_barrier`` with the gradient norm (:func:`jaxdp._order.hold`),
+    so that XLA leaves their buffers alone until the backward pass ends: the optimizer's
+    target at one rank or with clipping (the update waits for the norm anyway), the new
+    working shards ahead of the end-of-step gathers at stages 1-2, and nowhere at stages 0
+    and 3 with more ranks and no clipping (their updates overlap the last gradient
+    collective). The barrier is an identity: the step is the same bit for bit as an engine's
+    that does not donate (and so does not hold), at dp 3 and 6 too (padded shards)."""
 
-    def engine(devices, donate=True):
-        cfg = DDPConfig(zero_stage=stage, bucket_size=150)
-        return DataParallel(
-            mse_loss, optax.adamw(1e-3), cfg, mesh=make_mesh(devices), donate=donate
-        )
+    def engine(donate=True):
+        cfg = DDPConfig(zero_stage=stage, bucket_size=150, clip_grad=clip)
+        mesh = make_mesh(jax.devices()[:n])
+        return DataParallel(mse_loss, optax.adamw(1e-3), cfg, mesh=mesh, donate=donate)
 
     def barriers(dp):
         state = dp.init(mlp_params())
-        text = dp.step.lower(state, dp.shard_batch(make_batch(64))).as_text()
+        text = dp.step.lower(state, dp.shard_batch(make_batch(48))).as_text()
         return len(re.findall(r"stablehlo\.optimization_barrier", text))
 
-    one = jax.devices()[:1]
-    held, plain = engine(one), engine(one, donate=False)
-    assert held._holds_params and not plain._holds_params
-    assert not engine(jax.devices())._holds_params
-    assert barriers(held) == barriers(plain) + 1
+    held, plain = engine(), engine(donate=False)
+    assert barriers(held) == barriers(plain) + (where is not None)
+    assert held.plan.strategy.hold_at == where
 
     runs = []
     for dp in (held, plain):
         state = dp.init(mlp_params())
         for seed in range(2):
-            state, metrics = dp.step(state, dp.shard_batch(make_batch(64, seed=seed)))
+            state, metrics = dp.step(state, dp.shard_batch(make_batch(48, seed=seed)))
         runs.append((jax.tree.leaves(dp.params(state)), float(metrics["grad_norm"])))
     for a, b in zip(runs[0][0], runs[1][0], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
