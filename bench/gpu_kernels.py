@@ -15,8 +15,9 @@ process with XLA's ``--xla_dump_to`` and ``--xla_gpu_dump_llvmir``, and reports:
   noise is 10-20% between processes, the kernel counts do not move).
 
 ``--no-hold`` compiles the jaxdp steps without ``jaxdp._order.hold`` (where a donated step
-keeps the old params allocated until the gradient norm: ``Strategy.hold_at``); ``--clip``
-sets the jaxdp steps' ``DDPConfig.clip_grad``, with which stages 0 and 3 hold at dp > 1 too.
+keeps the old params allocated until the gradient norm: ``Strategy.holds_params``);
+``--clip`` sets the jaxdp steps' ``DDPConfig.clip_grad``, with which stage 3 holds at dp > 1
+too.
 
 Run: ``JAX_PLATFORMS=cpu python bench/gpu_kernels.py [--layers 12 --dp 1]``; one variant:
 ``--one VARIANT`` (``bare``, ``stage0`` ... ``stage3``).

@@ -103,7 +103,7 @@ class DataParallel:
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
         # A donated step holds the old params until the gradient norm where the strategy
-        # says (Strategy.hold_at, jaxdp._order.hold).
+        # says (Strategy.holds_params, jaxdp._order.hold).
         self._holds_params = donate
         first = self.mesh.devices.flat[0]
         self.compiler_options = engine_compiler_options(
@@ -307,9 +307,8 @@ class DataParallel:
         grads, metrics, model_state = strategy.local_step(
             self.loss_fn, state.params, batch, call, state.model_state, key
         )
-        hold_at = strategy.hold_at if self._holds_params else None
         target = strategy.target(state)
-        if hold_at == "update":
+        if self._holds_params and strategy.holds_params:
             target = hold(target, state.params, metrics["grad_norm"])
         new_target, opt_state = optimizer_update(
             self.optimizer,
@@ -319,9 +318,7 @@ class DataParallel:
             target,
             self.config,
         )
-        params, master = strategy.rebuild(
-            new_target, state.params, metrics["grad_norm"], held=hold_at == "gather"
-        )
+        params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
         new = TrainState(
             step=state.step + 1,
             params=params,

@@ -69,17 +69,18 @@ def hold(x: Any, keep: Any, until: jax.Array) -> Any:
     ``until``: what reads the returned ``x`` waits for ``until``, and ``keep`` counts as read
     there, so XLA keeps its buffers allocated until then.
 
-    A step that donates its state holds the old params until the gradient norm where the
-    strategy says (``Strategy.hold_at``; :meth:`jaxdp.DataParallel._step_fn`). Otherwise,
-    once the backward pass has last read a param, XLA places temporaries (gradients, the
-    reduce-scatters' results) in its buffer until the new param is written there. XLA
-    assumes only 16-byte alignment for a buffer passed in (256 for its own), so the same
-    fusion in two layers then compiles as two GPU kernels. A 12-layer GPT (``bench/
-    gpu_kernels.py``), held against not held: one compile-only H100, stages 0-2 91 against
-    120 kernels (the bare step: 91), stage 3 94 against 136; 8 of them, stages 1-2 87
-    against 124, and with clipping stage 0 104 against 156, stage 3 98 against 160.
-    Stages 0 and 3 with more ranks and no clipping do not hold: their updates would wait
-    for the last gradient collective, which they overlap (BENCHMARKS.md section 13).
+    A step that donates its state holds the old params until the gradient norm ahead of the
+    optimizer update, where the strategy says (``Strategy.holds_params``;
+    :meth:`jaxdp.DataParallel._step_fn`). Otherwise, once the backward pass has last read a
+    param, XLA places temporaries in its buffer until the update writes the new param there.
+    XLA assumes only 16-byte alignment for a buffer passed in (256 for its own), so the same
+    fusion in two layers then compiles as two GPU kernels. A 12-layer GPT
+    (``bench/gpu_kernels.py``) on one compile-only H100: stages 0-2 91 kernels held against
+    120 (the bare step: 91), stage 3 94 against 136; on 8, stage 3 with clipping 98 against
+    160. The price is memory where the gradients, not the activations, make the peak: those
+    temporaries need buffers of their own (section 4's MLP on one H100, +0.3-0.5 B/param at
+    G = 1; on 8, replicated params held would cost up to 2 B/param, sharded ones 0.1-0.2),
+    and with more ranks the update waits for the norm (BENCHMARKS.md section 13).
 
     Example:
         >>> import jax.numpy as jnp

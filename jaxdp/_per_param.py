@@ -212,10 +212,6 @@ class PerParamOps(_PerParameter):
         leaves = jax.tree_util.tree_leaves(view)
         return [x.astype(b.dtype) for x, b in zip(leaves, self.reduce_buckets, strict=True)]
 
-    def working(self, view: Any) -> Any:
-        """The shard view (master dtype) -> the same view in the working dtypes."""
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(view), self._working(view))
-
     def gather_full(self, view: Any) -> Any:
         return gather_leaves(self._working(view), self.layout, self.axis)
 

@@ -26,7 +26,7 @@ of the mesh (:mod:`jaxdp._nested`). Everything the engine, ``CheckpointManager``
   :meth:`Strategy.from_canonical`, :meth:`Strategy.full_params`;
 * reports: :attr:`Strategy.grad_collectives`, :attr:`Strategy.gathers_per_parameter`,
   :meth:`Strategy.bytes_per_step`;
-* where a donated step holds the old params (:attr:`Strategy.hold_at`, :func:`jaxdp._order.hold`).
+* whether a donated step holds the old params (:attr:`Strategy.holds_params`).
 
 Like an optax ``GradientTransformation`` a strategy holds no arrays: every method is a pure
 function of its arguments and the static pieces it was built from.
@@ -34,6 +34,7 @@ function of its arguments and the static pieces it was built from.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,6 @@ from ._group import ReductionGroup
 from ._layout import BucketLayout
 from ._local import local_gradients
 from ._loss import LossCall, loss_parts
-from ._order import hold
 from ._sharding import ShardingPlan
 from ._state import TrainState
 from ._update import gather_params
@@ -80,13 +80,14 @@ class Strategy:
         reduces_per_parameter: each parameter's gradient is reduced by a collective of its
             own, XLA combining them into bucket-sized ones (no bucket pack or unpack): stage 0
             with a ``psum`` on the wire, and wherever ``gathers_per_parameter`` holds.
-        hold_at: where a step that donates its state keeps the old params allocated until
-            the gradient norm (:func:`jaxdp._order.hold`), so that XLA places no temporaries
-            in their buffers: ``"gather"`` (stages 1-2 gathering per parameter at dp > 1:
-            the new working shards wait, the updates do not), ``"update"`` (the optimizer's
-            target waits, where the update waits for the norm anyway: one rank, or clipping
-            on) or ``None`` (stages 0 and 3 at dp > 1 without clipping, whose updates
-            overlap the last gradient collective).
+        holds_params: a step that donates its state passes the optimizer's target through
+            one barrier with the old params and the gradient norm (:func:`jaxdp._order.hold`),
+            so that XLA places no temporaries in the params' buffers and compiles each fusion
+            repeated across layers once. Only where the update waits for the norm anyway
+            (one rank; clipping) and the params held cost little memory (one rank; sharded
+            params: stage 3, ``overlap_param_gather``): holding replicated params at dp > 1
+            costs up to their size again at the end of the backward pass (BENCHMARKS.md
+            section 13).
     """
 
     name = ""
@@ -119,8 +120,7 @@ class Strategy:
         # the opcode of a bucket's gradient collective (jaxdp.aot labels them by it)
         rs_fp32 = config.reduce_scatter_with_fp32_accumulation
         self.grad_collectives: tuple[str, ...] = ("all-to-all",) if rs_fp32 else ("reduce-scatter",)
-        waits = group.size == 1 or bool(config.clip_grad)  # the update waits for the norm
-        self.hold_at: str | None = "update" if waits else None
+        self.holds_params = group.size == 1
 
     # ------------------------------------------------------------------ state
     def _work(self, params: Any) -> Any:
@@ -196,12 +196,9 @@ class Strategy:
         )
         return step(params, batch, model_state, key)
 
-    def rebuild(
-        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
-    ) -> tuple[Any, Any]:
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         """``(params, master)`` after the update (``params``: the step's input params;
-        ``last``: a value every gradient reduction feeds, to order gathers after; ``held``:
-        keep ``params`` allocated until ``last`` where :attr:`hold_at` is ``"gather"``)."""
+        ``last``: a value every gradient reduction feeds, to order gathers after)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ export, checkpoints
@@ -271,9 +268,7 @@ class Replicated(Strategy):
         self.has_master = any(d != self.master_dtype for d in self.work_dtypes)
         self.grad_collectives = ("all-reduce",)
 
-    def rebuild(
-        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
-    ) -> tuple[Any, Any]:
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         if self.has_master:
             return _cast_like(new_target, params), new_target
         return new_target, None
@@ -298,22 +293,15 @@ class ShardedOpt(Strategy):
         self.scatters = scatters_per_step
         self.params_sharded = params_sharded
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
-        if per_parameter and not params_sharded and self.group.size > 1:
-            self.hold_at = "gather"
+        self.holds_params |= params_sharded and bool(self.config.clip_grad)
 
-    def _gather(self, new: Any, params: Any, last: jax.Array, held: bool) -> Any:
-        if held:
-            # The new working shards (cast here, in the update's fusion) wait for the norm
-            # with the old params; the gathers then write over them.
-            new = hold(self.ops.working(new), params, last)
+    def _gather(self, new: Any, params: Any, last: jax.Array) -> Any:
         return gather_params(new, last, self.master_codec, self.params_codec, self.ops)
 
-    def rebuild(
-        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
-    ) -> tuple[Any, Any]:
-        if self.params_sharded:  # overlap_param_gather: the next step gathers them
-            return _cast_like(new_target, params), new_target
-        return self._gather(new_target, params, last, held), new_target
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
+        # overlap_param_gather: the next step gathers them; just cast the new master shards
+        rebuild = _cast_like if self.params_sharded else functools.partial(self._gather, last=last)
+        return rebuild(new_target, params), new_target
 
     def bytes_per_step(self) -> int:
         frac, grad, param = self._bytes()
@@ -329,10 +317,9 @@ class ShardedParams(Strategy):
     def __init__(self, *, per_parameter: bool, **kw: Any):
         super().__init__(**kw)
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
+        self.holds_params |= bool(self.config.clip_grad)
 
-    def rebuild(
-        self, new_target: Any, params: Any, last: jax.Array, held: bool = False
-    ) -> tuple[Any, Any]:
+    def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         return _cast_like(new_target, params), new_target
 
     def bytes_per_step(self) -> int:

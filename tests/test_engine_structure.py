@@ -306,33 +306,34 @@ def test_last_microbatch_peeled_only_where_collectives_follow(stage):
 
 
 @pytest.mark.parametrize(
-    ("stage", "n", "clip", "where"),
+    ("stage", "n", "clip", "overlap", "holds"),
     [
-        (0, 1, None, "update"),
-        (1, 1, None, "update"),
-        (2, 1, None, "update"),
-        (3, 1, None, "update"),
-        (0, 8, None, None),
-        (3, 8, None, None),
-        (0, 6, 1.0, "update"),
-        (3, 3, 1.0, "update"),
-        (1, 8, None, "gather"),
-        (2, 6, None, "gather"),
-        (1, 3, 1.0, "gather"),
+        (0, 1, None, False, True),
+        (1, 1, None, False, True),
+        (2, 1, None, False, True),
+        (3, 1, None, False, True),
+        (0, 8, None, False, False),
+        (0, 6, 1.0, False, False),
+        (1, 8, 1.0, False, False),
+        (3, 8, None, False, False),
+        (3, 3, 1.0, False, True),
+        (3, 6, 1.0, False, True),
+        (2, 6, 1.0, True, True),
+        (1, 8, None, True, False),
     ],
 )
-def test_a_donated_step_holds_the_params_until_the_norm(stage, n, clip, where):
-    """Where the strategy says (``Strategy.hold_at``), a donated step passes the old params
-    through one ``optimization_barrier`` with the gradient norm (:func:`jaxdp._order.hold`),
-    so that XLA leaves their buffers alone until the backward pass ends: the optimizer's
-    target at one rank or with clipping (the update waits for the norm anyway), the new
-    working shards ahead of the end-of-step gathers at stages 1-2, and nowhere at stages 0
-    and 3 with more ranks and no clipping (their updates overlap the last gradient
-    collective). The barrier is an identity: the step is the same bit for bit as an engine's
+def test_a_donated_step_holds_the_params_until_the_norm(stage, n, clip, overlap, holds):
+    """Where the strategy says (``Strategy.holds_params``: one rank; or clipping, which makes
+    the update wait for the norm anyway, with the params sharded, so that holding them costs
+    little memory), a donated step passes the optimizer's target through one
+    ``optimization_barrier`` with the old params and the gradient norm
+    (:func:`jaxdp._order.hold`), so that XLA leaves their buffers alone until the backward
+    pass ends. The barrier is an identity: the step is the same bit for bit as an engine's
     that does not donate (and so does not hold), at dp 3 and 6 too (padded shards)."""
 
     def engine(donate=True):
-        cfg = DDPConfig(zero_stage=stage, bucket_size=150, clip_grad=clip)
+        extra = {"overlap_param_gather": True} if overlap else {}
+        cfg = DDPConfig(zero_stage=stage, bucket_size=150, clip_grad=clip, **extra)
         mesh = make_mesh(jax.devices()[:n])
         return DataParallel(mse_loss, optax.adamw(1e-3), cfg, mesh=mesh, donate=donate)
 
@@ -342,8 +343,8 @@ def test_a_donated_step_holds_the_params_until_the_norm(stage, n, clip, where):
         return len(re.findall(r"stablehlo\.optimization_barrier", text))
 
     held, plain = engine(), engine(donate=False)
-    assert barriers(held) == barriers(plain) + (where is not None)
-    assert held.plan.strategy.hold_at == where
+    assert barriers(held) == barriers(plain) + holds
+    assert held.plan.strategy.holds_params == holds
 
     runs = []
     for dp in (held, plain):
