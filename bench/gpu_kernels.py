@@ -3,8 +3,9 @@
 A jaxdp GPT (``jaxdp.models.GPT``, XLA's attention: cuDNN's does not compile without a GPU) is
 compiled for ``--dp`` compile-only H100s (``jaxdp.aot``), the bare step beside it (plain
 ``jit`` of ``value_and_grad`` + AdamW on one device, bf16 params from an fp32 master, as
-``bench_gpu.py``'s bare row, :func:`bench_gpu.bare_step`). Each variant compiles in a fresh
-process with XLA's ``--xla_dump_to`` and ``--xla_gpu_dump_llvmir``, and reports:
+``bench_gpu.py``'s bare row, :func:`bench_gpu.bare_step`, on one rank's 8 sequences). Each
+variant compiles in a fresh process with XLA's ``--xla_dump_to`` and
+``--xla_gpu_dump_llvmir``, and reports:
 
 * ``kernels``: GPU kernels in the PTX XLA emitted (``.entry`` functions), and the PTX bytes.
   XLA emits one kernel per distinct fusion, and a fusion repeated in every layer compiles
@@ -92,7 +93,11 @@ def compile_one(
             )
 
         state = (f32(params), f32(jax.eval_shape(opt.init, params)))
-        b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), batch)
+        # one rank's share of the batch (8 sequences), so the shapes match the jaxdp steps'
+        b = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // dp, *x.shape[1:]), x.dtype, sharding=sh),
+            batch,
+        )
         jax.jit(step, donate_argnums=0).lower(state, b).compile()
     else:
         cfg = DDPConfig(zero_stage=int(variant[-1]), param_dtype="bfloat16", clip_grad=clip)
