@@ -102,9 +102,6 @@ class DataParallel:
         self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
-        # A donated step holds the old params until the gradient norm where the strategy
-        # says (Strategy.holds_params, jaxdp._order.hold).
-        self._holds_params = donate
         first = self.mesh.devices.flat[0]
         self.compiler_options = engine_compiler_options(
             compiler_options, config, dp_size=self.dp, platform=self.group.platform, device=first
@@ -308,7 +305,7 @@ class DataParallel:
             self.loss_fn, state.params, batch, call, state.model_state, key
         )
         target = strategy.target(state)
-        if self._holds_params and strategy.holds_params:
+        if self.donate and strategy.holds_params:  # jaxdp._order.hold
             target = hold(target, state.params, metrics["grad_norm"])
         new_target, opt_state = optimizer_update(
             self.optimizer,

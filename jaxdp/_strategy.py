@@ -80,19 +80,14 @@ class Strategy:
         reduces_per_parameter: each parameter's gradient is reduced by a collective of its
             own, XLA combining them into bucket-sized ones (no bucket pack or unpack): stage 0
             with a ``psum`` on the wire, and wherever ``gathers_per_parameter`` holds.
-        holds_params: a step that donates its state passes the optimizer's target through
-            one barrier with the old params and the gradient norm (:func:`jaxdp._order.hold`),
-            so that XLA places no temporaries in the params' buffers and compiles each fusion
-            repeated across layers once. Only where the update waits for the norm anyway
-            (one rank; clipping) and the params held cost little memory (one rank; sharded
-            params: stage 3, ``overlap_param_gather``): holding replicated params at dp > 1
-            costs up to their size again at the end of the backward pass (BENCHMARKS.md
-            section 13).
+        params_sharded: the working params are kept sharded between steps (stage 3, and
+            stages 1-2 with ``overlap_param_gather``).
     """
 
     name = ""
     gathers_per_parameter = False
     reduces_per_parameter = False
+    params_sharded = False
 
     def __init__(
         self,
@@ -120,7 +115,17 @@ class Strategy:
         # the opcode of a bucket's gradient collective (jaxdp.aot labels them by it)
         rs_fp32 = config.reduce_scatter_with_fp32_accumulation
         self.grad_collectives: tuple[str, ...] = ("all-to-all",) if rs_fp32 else ("reduce-scatter",)
-        self.holds_params = group.size == 1
+
+    @property
+    def holds_params(self) -> bool:
+        """Whether a step that donates its state passes the optimizer's target through one
+        barrier with the old params and the gradient norm (:func:`jaxdp._order.hold`), so that
+        XLA places no temporaries in the params' buffers and compiles each fusion repeated
+        across layers once. Only where the update waits for the norm anyway (one rank;
+        clipping) and the params held cost little memory (one rank; sharded params): holding
+        replicated params at dp > 1 costs up to their size again at the end of the backward
+        pass (BENCHMARKS.md section 13)."""
+        return self.group.size == 1 or (self.params_sharded and bool(self.config.clip_grad))
 
     # ------------------------------------------------------------------ state
     def _work(self, params: Any) -> Any:
@@ -293,7 +298,6 @@ class ShardedOpt(Strategy):
         self.scatters = scatters_per_step
         self.params_sharded = params_sharded
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
-        self.holds_params |= params_sharded and bool(self.config.clip_grad)
 
     def _gather(self, new: Any, params: Any, last: jax.Array) -> Any:
         return gather_params(new, last, self.master_codec, self.params_codec, self.ops)
@@ -313,11 +317,11 @@ class ShardedParams(Strategy):
     inside every micro-batch's forward and backward pass."""
 
     name = "sharded params"
+    params_sharded = True
 
     def __init__(self, *, per_parameter: bool, **kw: Any):
         super().__init__(**kw)
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
-        self.holds_params |= bool(self.config.clip_grad)
 
     def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         return _cast_like(new_target, params), new_target
