@@ -306,34 +306,39 @@ def test_last_microbatch_peeled_only_where_collectives_follow(stage):
 
 
 @pytest.mark.parametrize(
-    ("stage", "n", "clip", "overlap", "holds"),
+    ("stage", "n", "clip", "overlap", "holds", "g"),
     [
-        (0, 1, None, False, True),
-        (1, 1, None, False, True),
-        (2, 1, None, False, True),
-        (3, 1, None, False, True),
-        (0, 8, None, False, False),
-        (0, 6, 1.0, False, False),
-        (1, 8, 1.0, False, False),
-        (3, 8, None, False, False),
-        (3, 3, 1.0, False, True),
-        (3, 6, 1.0, False, True),
-        (2, 6, 1.0, True, True),
-        (1, 8, None, True, False),
+        (0, 1, None, False, True, 1),
+        (1, 1, None, False, True, 1),
+        (2, 1, None, False, True, 1),
+        (3, 1, None, False, True, 1),
+        (2, 1, None, False, True, 4),
+        (0, 8, None, False, False, 1),
+        (0, 6, 1.0, False, False, 1),
+        (1, 8, 1.0, False, False, 1),
+        (3, 8, None, False, False, 1),
+        (3, 3, 1.0, False, True, 1),
+        (3, 6, 1.0, False, True, 1),
+        (3, 6, 1.0, False, True, 4),
+        (2, 6, 1.0, True, True, 1),
+        (1, 8, None, True, False, 1),
     ],
 )
-def test_a_donated_step_holds_the_params_until_the_norm(stage, n, clip, overlap, holds):
+def test_a_donated_step_holds_the_params_until_the_norm(stage, n, clip, overlap, holds, g):
     """Where the strategy says (``Strategy.holds_params``: one rank; or clipping, which makes
     the update wait for the norm anyway, with the params sharded, so that holding them costs
     little memory), a donated step passes the optimizer's target through one
     ``optimization_barrier`` with the old params and the gradient norm
     (:func:`jaxdp._order.hold`), so that XLA leaves their buffers alone until the backward
     pass ends. The barrier is an identity: the step is the same bit for bit as an engine's
-    that does not donate (and so does not hold), at dp 3 and 6 too (padded shards)."""
+    that does not donate (and so does not hold), at dp 3 and 6 too (padded shards), and with
+    micro-batches."""
 
     def engine(donate=True):
         extra = {"overlap_param_gather": True} if overlap else {}
-        cfg = DDPConfig(zero_stage=stage, bucket_size=150, clip_grad=clip, **extra)
+        cfg = DDPConfig(
+            zero_stage=stage, bucket_size=150, clip_grad=clip, num_microbatches=g, **extra
+        )
         mesh = make_mesh(jax.devices()[:n])
         return DataParallel(mse_loss, optax.adamw(1e-3), cfg, mesh=mesh, donate=donate)
 
