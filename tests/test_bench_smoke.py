@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = (
     "## 1. Bucket layout",
@@ -107,3 +109,42 @@ def test_gpu_kernels_tiny(h100):
     H100 with XLA's dumps on, and its kernels are read from the PTX (``h100``: a skip without
     the gpu-aot extra)."""
     _run_bench("gpu_kernels.py", "--layers", "1", "--width", "64", "--variants", "stage1")
+
+
+def test_xla_timers_are_read():
+    """``bench_compile.xla_seconds`` splits a step's compile from XLA's own timer lines: passes
+    of the step module only, nested pipelines counted through their passes, the partitioner's,
+    the fusion passes and the rest apart, and the two per-module totals."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_compile
+
+    log = "\n".join(
+        [
+            "I0 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_init: opt",
+            "I0 hlo_pass_pipeline.cc:176] HLO pass: algsimp time: 9 s (9 s)",
+            "I0 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit__step_fn: a",
+            "I0 hlo_pass_pipeline.cc:176] HLO pass: shardy-xla time: 1.5 s (1.5 s)",
+            "I0 hlo_pass_pipeline.cc:176] HLO pass: spmd-partitioning time: 500 ms (500 ms)",
+            "I0 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit__step_fn: b",
+            "I0 hlo_pass_pipeline.cc:176] HLO pass: priority-fusion time: 2 s (2 s)",
+            "I0 hlo_pass_pipeline.cc:176] HLO pass: algsimp time: 250 us (250 us)",
+            "I0 hlo_pass_pipeline.cc:176] HLO pass: b time: 2.1 s (2.1 s)",
+            "I0 gpu_compiler.cc:2152] GpuCompiler::RunHloPasses for jit__step_fn time: 4.3 s "
+            "(4300000 us) (cumulative: 4.4 s, max: 4.3 s, #called: 2)",
+            "I0 gpu_compiler.cc:2817] GpuCompiler::RunBackend for jit__step_fn time: 700 ms "
+            "(700000 us)",
+            "I0 cpu_compiler.cc:2094] Compiling [jit_other] for CPU using JIT time: 3 s (3 s)",
+        ]
+    )
+    got = bench_compile.xla_seconds(log)
+    assert got == pytest.approx(
+        {
+            "xla_partition": 2.0,
+            "xla_fusion": 2.0,
+            "xla_other": 250e-6,
+            "xla_backend": 0.7,
+            "xla_hlo": 4.3,
+        }
+    ), got
+    cpu = bench_compile.xla_seconds(log.replace("jit__step_fn", "jit_x").replace("other", "step"))
+    assert cpu["xla_backend"] == 3.0 and cpu["xla_partition"] == 0.0, cpu
