@@ -288,6 +288,15 @@ def xla_seconds(log: str, module: str = "step") -> dict[str, float]:
     return out
 
 
+#: The compilers measured, by ``--one`` name, as the tables name them.
+TARGET_NAMES = {"cpu": "CPU (8 simulated devices)", "h100": "H100 x 8 (compile-only)"}
+
+
+def _targets() -> list[str]:
+    """XLA:CPU, and the compile-only H100s where the ``gpu-aot`` extra is installed."""
+    return ["cpu"] + (["h100"] if _h100_mesh() is not None else [])
+
+
 def _h100_mesh() -> Any:
     try:
         return jaxdp.aot.h100_mesh(8)
@@ -382,7 +391,7 @@ def timer_rows(layers: int, quick: bool = False) -> list[dict[str, Any]]:
     """Where the XLA compile goes: each variant of :func:`run` (plain ``jit``, its peers,
     stages 0 and 1) compiled once more in a fresh process with XLA's timers on, split by
     :func:`xla_seconds` (``quick``: plain ``jit`` and stage 1 on XLA:CPU only)."""
-    targets = ["cpu"] + (["h100"] if _h100_mesh() is not None and not quick else [])
+    targets = ["cpu"] if quick else _targets()
     rows = []
     for target in targets:
         for variant in ("plain", "stage1") if quick else (*PEERS, "stage0", "stage1"):
@@ -425,10 +434,7 @@ def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict
     round) and the ratios are taken within the round, so that slow spells of a shared machine
     (identical fresh processes vary by +-15% here) hit both sides of a ratio. Reported: the
     median ratio and the median seconds."""
-    targets = ["cpu"]
-    if _h100_mesh() is not None:
-        targets.append("h100")
-    names = {"cpu": "CPU (8 simulated devices)", "h100": "H100 x 8 (compile-only)"}
+    targets = _targets()
     variants = (*PEERS, "stage0", "stage1")
     # each stage against plain jit (the goal) and against its like-for-like peer
     against = {"stage0": ("plain", "plain+norm"), "stage1": ("plain", "zero1+norm")}
@@ -450,7 +456,7 @@ def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict
                 return [_total(a) / _total(b) for a, b in zip(runs[v], runs[base], strict=True)]
 
             row: dict[str, Any] = {
-                "target": names[target],
+                "target": TARGET_NAMES[target],
                 "leaves": 2 * layers,
                 "rounds": n_rounds,
                 "plain": med("plain"),
@@ -467,7 +473,7 @@ def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict
                     row[f"{name}{suffix}_ratios"] = ratios
                     row[f"{name}{suffix}_ratio"] = statistics.median(ratios)
                 row[name] = med(name)
-                for key in ("layout", "probe", "init", "lower", "compile", "slice_fusions"):
+                for key in (*_PARTS, "slice_fusions"):
                     row[f"{name}_{key}"] = med(name, key)
             rows.append(row)
             print(
@@ -496,9 +502,7 @@ def markdown(res: dict[str, Any]) -> str:
     )
     lines = [head]
     for r in res["rows"]:
-        split = " / ".join(
-            f"{r[f'stage1_{k}']:.2f}" for k in ("layout", "probe", "init", "lower", "compile")
-        )
+        split = " / ".join(f"{r[f'stage1_{k}']:.2f}" for k in _PARTS)
         ok = lambda x: "met" if x <= GOAL else "not met"  # noqa: E731
         verdict = (
             "not judged: plain jit above plain jit + norm (this machine's noise)"
@@ -554,10 +558,9 @@ def markdown(res: dict[str, Any]) -> str:
             "| other HLO passes s | backend s | rest s |",
             "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
-        names = {"cpu": "XLA:CPU (8 simulated devices)", "h100": "H100 x 8 (compile-only)"}
         for r in res["timers"]:
             lines.append(
-                f"| {names[r['target']]} | {r['variant']} | {r['compile']:.2f} "
+                f"| {TARGET_NAMES[r['target']]} | {r['variant']} | {r['compile']:.2f} "
                 f"| {r['xla_partition']:.2f} | {r['xla_fusion']:.2f} | {r['xla_other']:.2f} "
                 f"| {r['xla_backend']:.2f} "
                 f"| {r['compile'] - r.get('xla_hlo', 0.0) - r['xla_backend']:.2f} |"

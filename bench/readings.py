@@ -60,6 +60,7 @@ def _timer_reading(res: dict[str, Any]) -> str:
         ("stage1", "zero1+norm", "stage 1 over the GSPMD ZeRO-1 peer + norm"),
     )
     out = []
+    partitioner: dict[tuple[str, str], str] = {}  # (target, variant): its partitioner's extra
     for target, name in (("h100", "8 compile-only H100s"), ("cpu", "XLA:CPU")):
         found = []
         for a, b, what in pairs:
@@ -68,16 +69,14 @@ def _timer_reading(res: dict[str, Any]) -> str:
             ra, rb = rows[(target, a)], rows[(target, b)]
             split = ", ".join(f"{label} {ra[k] - rb[k]:+.1f}" for k, label in _TIMER_KEYS)
             found.append(f"{what} {ra['compile'] - rb['compile']:+.1f} s ({split})")
+            partitioner[(target, a)] = f"{ra['xla_partition'] - rb['xla_partition']:+.1f}"
         if found:
             out.append(f"{name}: " + "; ".join(found))
     if not out:
         return ""
 
-    def part(target: str, a: str, b: str) -> str:
-        ra, rb = rows.get((target, a)), rows.get((target, b))
-        return (
-            "?" if ra is None or rb is None else f"{ra['xla_partition'] - rb['xla_partition']:+.1f}"
-        )
+    def part(target: str, variant: str) -> str:
+        return partitioner.get((target, variant), "?")
 
     return (
         "\n\n*Where it goes* (the third table; one process each, so each figure carries this "
@@ -87,12 +86,11 @@ def _timer_reading(res: dict[str, Any]) -> str:
         "one multi-output fusion per parameter, so no extra pass over the gradients runs), "
         "the other passes and the code generation. What jaxdp adds shows most steadily in "
         "the partitioner column (stage 0 over plain `jit` + norm, stage 1 over its peer: "
-        f"{part('h100', 'stage0', 'plain+norm')} / {part('h100', 'stage1', 'zero1+norm')} s on "
-        f"the H100s, {part('cpu', 'stage0', 'plain+norm')} / "
-        f"{part('cpu', 'stage1', 'zero1+norm')} s on XLA:CPU): Shardy's export and the SPMD "
-        "passes run over a `shard_map` with one operand and one result per parameter, a cost "
-        "that grows faster than the operands (the last table); the other columns move as much "
-        "from one process to the next as between the variants."
+        f"{part('h100', 'stage0')} / {part('h100', 'stage1')} s on the H100s, "
+        f"{part('cpu', 'stage0')} / {part('cpu', 'stage1')} s on XLA:CPU): Shardy's export and "
+        "the SPMD passes run over a `shard_map` with one operand and one result per parameter, "
+        "a cost that grows faster than the operands (the last table); the other columns move "
+        "as much from one process to the next as between the variants."
     )
 
 

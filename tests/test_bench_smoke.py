@@ -25,6 +25,16 @@ SECTIONS = (
 )
 
 
+def _load_bench(name):
+    """``bench/<name>.py`` as a module, without putting ``bench/`` on ``sys.path``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, f"{ROOT}/bench/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_bench(script, *args, xla_flags=None):
     """Run ``bench/<script>`` in a clean jax environment (the suite's XLA_FLAGS dropped) and
     assert that it succeeded."""
@@ -82,12 +92,8 @@ def test_only_one_section_is_replaced():
     """``run_all.py --only compile`` measures section 7 alone and splices it into the existing
     file (``bench/_sections.py``; its docstring is the example, run here)."""
     import doctest
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_sections", f"{ROOT}/bench/_sections.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result = doctest.testmod(module)
+    result = doctest.testmod(_load_bench("_sections"))
     assert result.attempted >= 3 and result.failed == 0
 
 
@@ -115,9 +121,7 @@ def test_xla_timers_are_read():
     """``bench_compile.xla_seconds`` splits a step's compile from XLA's own timer lines: passes
     of the step module only, nested pipelines counted through their passes, the partitioner's,
     the fusion passes and the rest apart, and the two per-module totals."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench_compile
-
+    bench_compile = _load_bench("bench_compile")
     log = "\n".join(
         [
             "I0 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_init: opt",
