@@ -17,6 +17,7 @@ of replicated parameters is ``numel`` elements, replicated over ``A``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,11 +41,27 @@ from ._reduce import (
 )
 from ._sharding import ShardingPlan
 
-__all__ = ["NestedOps", "PlainOps"]
+__all__ = ["NestedOps", "PlainOps", "square_sums"]
 
 
 def _entry(axes: Sequence[str]) -> Any:
     return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def square_sums(arrays: Sequence[jax.Array], chunk: int = 1) -> list[jax.Array]:
+    """Partial sums of squares of the 1-D ``arrays``, each in its array's dtype: one per array
+    (``chunk=1``), or one per concatenation of up to ``chunk`` consecutive arrays of one dtype.
+    XLA fuses such a concatenation into the reduction that reads it, so nothing is written
+    (:class:`jaxdp._per_param._PerParameter` says when the norm is summed that way)."""
+    if chunk == 1:
+        return [jnp.sum(jnp.square(r)) for r in arrays]
+    out: list[jax.Array] = []
+    for _, same in itertools.groupby(arrays, key=lambda r: r.dtype):
+        run = list(same)
+        for i in range(0, len(run), chunk):
+            part = run[i : i + chunk]
+            out.append(jnp.sum(jnp.square(jnp.concatenate([jnp.ravel(r) for r in part]))))
+    return out
 
 
 class PlainOps:
@@ -86,15 +103,18 @@ class PlainOps:
         (:func:`jaxdp._reduce.finish_deferred`), or ``None``; unused here."""
         return self._sum_squares(red, self.reduce_groups)
 
-    def _sum_squares(self, arrays: Sequence[jax.Array], groups: Sequence[Any]) -> jax.Array:
+    def _sum_squares(
+        self, arrays: Sequence[jax.Array], groups: Sequence[Any], chunk: int = 1
+    ) -> jax.Array:
         """The squares of ``arrays`` summed, each array reduced over its entry of ``groups``.
         Dense arrays are the same on every rank of the group; each expert rank holds other
-        experts, whose squares are summed over the expert axis."""
+        experts, whose squares are summed over the expert axis. ``chunk``: how many
+        consecutive 1-D arrays of one dtype each partial sum reads, concatenated
+        (:func:`square_sums`)."""
         pairs = list(zip(arrays, groups, strict=True))
-        sq = jnp.sum(
-            jnp.stack([jnp.sum(jnp.square(r)) for r, g in pairs if not g.expert] or [jnp.zeros(())])
-        )
-        expert = [jnp.sum(jnp.square(r)) for r, g in pairs if g.expert]
+        dense = square_sums([r for r, g in pairs if not g.expert], chunk)
+        sq = jnp.sum(jnp.stack(dense or [jnp.zeros(())]))
+        expert = square_sums([r for r, g in pairs if g.expert], chunk)
         if expert:
             sq = sq + jax.lax.psum(jnp.sum(jnp.stack(expert)), self.group.expert_axis)
         return sq

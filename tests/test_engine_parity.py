@@ -363,15 +363,39 @@ def test_stage12_bucketed_path_matches_per_parameter(data, monkeypatch, stage, g
     assert n_b[0] > 0.05  # clipping was active
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_square_sums_over_chunks_of_one_dtype(chunk):
+    """jaxdp._nested.square_sums, the GPU norm's partial sums: one per run of up to ``chunk``
+    consecutive arrays of one dtype (a change of dtype starts a new one), each in that dtype
+    and equal to the sum of its arrays' squares."""
+    from jaxdp._nested import square_sums
+    from jaxdp.testing import tolerance
+
+    rng = np.random.default_rng(0)
+    runs = [(jnp.float32, 5), (jnp.bfloat16, 4), (jnp.float32, 2)]
+    dtypes = [dt for dt, n in runs for _ in range(n)]
+    arrays = [jnp.asarray(rng.standard_normal(7 + 5 * i), dt) for i, dt in enumerate(dtypes)]
+    parts = square_sums(arrays, chunk)
+    want, start = [], 0
+    for dt, n in runs:
+        for i in range(start, start + n, chunk):
+            group = [np.asarray(a, np.float64) for a in arrays[i : min(i + chunk, start + n)]]
+            want.append((dt, sum(float(np.sum(g**2)) for g in group)))
+        start += n
+    assert [p.dtype for p in parts] == [jnp.dtype(dt) for dt, _ in want]
+    for p, (dt, w) in zip(parts, want, strict=True):
+        np.testing.assert_allclose(float(p), w, rtol=tolerance(dt))
+
+
 @pytest.mark.parametrize("stage,dp_size", [(0, 8), (1, 8), (1, 6), (2, 3)])
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
-def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size, clip):
+def test_norm_summed_in_chunks_as_on_gpus(data, monkeypatch, stage, dp_size, clip):
     """On GPUs with more than one rank the per-parameter paths (stage 0 here on XLA:CPU,
-    stages 1-2 with the interleaved layout) sum the gradient norm parameter by parameter, on
-    XLA:CPU over each bucket rebuilt from its parameters
-    (jaxdp._per_param.nccl_collectives). The GPU's program runs here too, forced: the same norm
-    up to the order of its fp32 additions, the same params bit for bit where the norm does not
-    enter the update, and both held to the reference where it does (clipping)."""
+    stages 1-2 with the interleaved layout) sum the gradient norm over concatenations of a few
+    parameters (jaxdp._per_param.NORM_CHUNK), on XLA:CPU over each bucket rebuilt from its
+    parameters (jaxdp._per_param.nccl_collectives). The GPU's program runs here too, forced:
+    the same norm up to the order of its fp32 additions, the same params bit for bit where the
+    norm does not enter the update, and both held to the reference where it does (clipping)."""
     import jaxdp._per_param as per_param
     from jaxdp import make_mesh
     from jaxdp.testing import tolerance
@@ -384,6 +408,7 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
 
     dp_b, s_b, n_b = train_on(mesh, cfg, opt, params, batches)
     monkeypatch.setattr(per_param, "nccl_collectives", lambda platform, dp_size: True)
+    monkeypatch.setattr(per_param, "NORM_CHUNK", 4)  # the 6 parameters in two chunks
     dp_p, s_p, n_p = train_on(mesh, cfg, opt, params, batches)
     assert dp_p.plan.strategy.reduces_per_parameter
     assert dp_p.plan.strategy.ops.nccl
@@ -414,7 +439,7 @@ def test_norm_summed_per_parameter_as_on_gpus(data, monkeypatch, stage, dp_size,
 def test_gpu_programs_match_the_cpu_ones(data, monkeypatch, stage, g, extra, dp_size):
     """The plan reads the mesh's platform (ReductionGroup.platform) once, in
     jaxdp._per_param.nccl_collectives: at stages 1-2 it decides how the norm is summed
-    (parameter by parameter on GPUs, over rebuilt buckets on XLA:CPU). Run the GPU's
+    (a few parameters at a time on GPUs, over rebuilt buckets on XLA:CPU). Run the GPU's
     programs here, with the platform forced: the norm enters no update (no clipping), so the
     params are the same bit for bit."""
     from jaxdp import _group, make_mesh

@@ -209,7 +209,7 @@ def test_stage3_bitwise_equals_stage2(mode, layout):
     init2 = d2.init(MODELS["mlp"][1](), example_batch=batch)
     # The reduced gradients of one step from the same state: bit for bit, so the norms too
     # (on XLA:CPU stage 2 sums its norm over each bucket rebuilt from its parameters, as stage
-    # 3 does; on GPUs it sums parameter by parameter: test_engine_parity checks that path).
+    # 3 does; on GPUs it sums a few parameters at a time: test_engine_parity checks that path).
     g3, g2 = reduced_gradient(d3, init3, batch), reduced_gradient(d2, init2, batch)
     jax.tree.map(np.testing.assert_array_equal, g3, g2)
     assert n3[0] == n2[0]
