@@ -26,6 +26,13 @@ A third table splits one more compile of each variant at 1,000 leaves by XLA's o
 backend. A row whose plain ``jit`` came out slower than plain ``jit`` + norm (strictly more
 work) measured the machine, not the programs, and its goal is not judged (:func:`noisy`).
 
+Where valgrind is installed, the same compiles are also counted in instructions
+(:func:`instruction_rows`, :func:`instructions`: callgrind, with the counting on only around
+the step's ``compile``). A count does not move with the machine's load (the same program
+counted twice differed by 0.09%), so these ratios judge the goal without the noise; they
+leave out what the seconds also weigh (cache misses, ``init`` and lowering), and cost a
+50-60x slowdown, so they stop at 300 leaves.
+
 A last table isolates one cost of the step's shape: compile time against the number of
 operands of one ``shard_map`` (:func:`shard_map_operands`), against plain ``jit`` and against
 the same work split into ``shard_map`` s of 100.
@@ -48,13 +55,17 @@ if "jax" not in sys.modules:
     ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib
 import json
 import re
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -111,6 +122,26 @@ class _Clock:
         return out
 
 
+#: Set in a process that runs under callgrind (:func:`instructions`): the step's compile is the
+#: only code whose instructions are counted.
+COUNT_ENV = "BENCH_COMPILE_CALLGRIND"
+
+
+@contextlib.contextmanager
+def _counted() -> Any:
+    """Count the instructions of what runs inside (callgrind's instrumentation on), in a
+    process that :func:`instructions` started under callgrind; nothing otherwise."""
+    if not os.environ.get(COUNT_ENV):
+        yield
+        return
+    pid = str(os.getpid())
+    subprocess.run(["callgrind_control", "-i", "on", pid], capture_output=True, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["callgrind_control", "-i", "off", pid], capture_output=True, check=True)
+
+
 def plain_jit(
     layers: int, mesh: Any, abstract: bool, norm: bool = False, zero1: bool = False
 ) -> dict[str, float]:
@@ -162,7 +193,8 @@ def plain_jit(
     init = clock.lap()
     lowered = jax.jit(step, donate_argnums=0).lower((params, opt_state), batch)
     lower = clock.lap()
-    lowered.compile()
+    with _counted():
+        lowered.compile()
     return {"init": init, "lower": lower, "compile": clock.lap()}
 
 
@@ -213,7 +245,8 @@ def jaxdp_step(layers: int, mesh: Any, abstract: bool, stage: int) -> dict[str, 
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         lowered = engine.step.lower(state, batch)
     t_lower = clock.lap()
-    compiled = lowered.compile()
+    with _counted():
+        compiled = lowered.compile()
     t_compile = clock.lap()
     text = compiled.as_text()
     slice_fusions = sum(
@@ -356,6 +389,88 @@ def fresh(target: str, layers: int, variant: str, timers: bool = False) -> dict[
     )
 
 
+def can_count() -> bool:
+    """Whether valgrind's callgrind (and ``callgrind_control``) is here to count instructions."""
+    return bool(shutil.which("valgrind") and shutil.which("callgrind_control"))
+
+
+def instructions(target: str, layers: int, variant: str) -> float:
+    """Instructions the step's XLA compile executes (every thread), counted by callgrind in a
+    fresh process (:func:`fresh`'s measurement, run under ``valgrind --tool=callgrind`` with
+    the counting on only around the step's ``compile``, :func:`_counted`). Unlike seconds,
+    the count does not move with the machine's load: the same program counted twice differs
+    by about 0.1% (XLA:GPU's parallel Triton compiles are its one timing-dependent part)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={tmp}/callgrind.out",
+                sys.executable,
+                os.path.abspath(__file__),
+                "--one",
+                target,
+                str(layers),
+                variant,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, COUNT_ENV: "1"},
+        )
+    count = collected(proc.stderr)
+    if proc.returncode or count is None or "RESULT " not in proc.stdout:
+        raise RuntimeError(
+            f"bench_compile: counting the {variant} compile ({target}, {layers} layers) failed "
+            f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    return count
+
+
+def collected(log: str) -> float | None:
+    """The instructions callgrind's report in ``log`` (its stderr) says it counted."""
+    m = re.search(r"==\d+== Collected : (\d+)", log)
+    return float(m.group(1)) if m else None
+
+
+#: What :func:`instruction_rows` counts: (compiler, layers, variants); the peers only where
+#: they are affordable (a 300-leaf H100 compile runs about 9 minutes under callgrind, 1,000
+#: leaves about an hour).
+COUNTED: tuple[tuple[str, int, tuple[str, ...]], ...] = (
+    ("cpu", 5, ("plain", "stage0", "stage1")),
+    ("h100", 5, ("plain", "stage0", "stage1")),
+    ("cpu", 50, (*PEERS, "stage0", "stage1")),
+    ("h100", 50, (*PEERS, "stage0", "stage1")),
+    ("h100", 150, ("plain", "stage1")),
+)
+
+
+def instruction_rows(quick: bool = False) -> list[dict[str, Any]]:
+    """:func:`instructions` of each variant of :data:`COUNTED` (``quick``: XLA:CPU, 10 leaves,
+    plain ``jit`` and stage 1), the processes run side by side (a count does not depend on
+    the load), one row per compiler and size, in billions, and each stage over plain ``jit``."""
+    plan = [("cpu", 5, ("plain", "stage1"))] if quick else list(COUNTED)
+    plan = [(t, n, vs) for t, n, vs in plan if t in _targets()]
+    jobs = [(t, n, v) for t, n, vs in plan for v in vs]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        counts = dict(zip(jobs, pool.map(lambda j: instructions(*j), jobs), strict=True))
+    rows = []
+    for t, n, vs in plan:
+        row: dict[str, Any] = {"target": t, "leaves": 2 * n}
+        row.update({v: counts[(t, n, v)] / 1e9 for v in vs})
+        for stage in ("stage0", "stage1"):
+            if stage in row:
+                row[f"{stage}_ratio"] = row[stage] / row["plain"]
+        print(
+            f"{TARGET_NAMES[t]} {2 * n} leaves, billions of instructions: "
+            + "  ".join(f"{v} {row[v]:.2f}" for v in vs),
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
 def shard_map_operands(n: int, mesh: Any, chunk: int | None) -> float:
     """XLA:CPU compile seconds of ``x * 2`` over ``n`` replicated 2,048-element arrays: in one
     ``jit`` without ``shard_map`` (``chunk=0``), in one ``shard_map`` with ``n`` operands and
@@ -494,6 +609,26 @@ def noisy(row: dict[str, Any]) -> bool:
     return bool(row["plain"] > row["plain_norm"])
 
 
+def _instruction_line(r: dict[str, Any]) -> str:
+    """One row of the instruction table ("-" where a variant was not counted)."""
+
+    def cell(v: str) -> str:
+        return f"{r[v]:.2f}" if v in r else "-"
+
+    def stage(v: str) -> str:
+        return f"{r[v]:.2f} ({r[f'{v}_ratio']:.2f}x)" if v in r else "-"
+
+    verdicts = [
+        ("met" if r[f"{v}_ratio"] <= GOAL else "not met") if v in r else "-"
+        for v in ("stage0", "stage1")
+    ]
+    return (
+        f"| {TARGET_NAMES[r['target']]} | {r['leaves']} | {cell('plain')} "
+        f"| {cell('plain+norm')} | {cell('zero1+norm')} | {stage('stage0')} "
+        f"| {stage('stage1')} | <= {GOAL}x: {' / '.join(verdicts)} |"
+    )
+
+
 def markdown(res: dict[str, Any]) -> str:
     head = (
         "| compiler | leaves | plain jit s | jaxdp stage 0 s (ratio) | jaxdp stage 1 s (ratio) "
@@ -540,6 +675,19 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {r['zero1_norm']:.2f} | {r['stage0_peer_ratio']:.2f}x "
                 f"| {r['stage1_peer_ratio']:.2f}x |"
             )
+    if res.get("instructions"):
+        lines += [
+            "",
+            "The same compiles counted in instructions, which do not move with the machine's "
+            "load (callgrind, `bench_compile.instructions`: the step's XLA compile only, every "
+            "thread; the same program counted twice differs by about 0.1%), in billions:",
+            "",
+            "| compiler | leaves | plain jit | plain jit + norm | GSPMD ZeRO-1 + norm "
+            "| jaxdp stage 0 (ratio) | jaxdp stage 1 (ratio) | goal |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in res["instructions"]:
+            lines.append(_instruction_line(r))
     if res.get("timers"):
         t0 = res["timers"][0]
         lines += [
@@ -587,6 +735,7 @@ def main(quick: bool = False) -> dict[str, Any]:
     # five rounds below 1,000 leaves: with two, run-to-run noise flipped the 1.3x verdicts
     res = run((5,) if quick else (5, 50, 500), rounds=1 if quick else 5, big_rounds=3)
     res["timers"] = timer_rows(5 if quick else 500, quick=quick)
+    res["instructions"] = instruction_rows(quick) if can_count() else []
     res["operands"] = operand_rows((300,) if quick else (300, 1000, 3000))
     res["markdown"] = markdown(res)
     return res

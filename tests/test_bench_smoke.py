@@ -117,6 +117,30 @@ def test_gpu_kernels_tiny(h100):
     _run_bench("gpu_kernels.py", "--layers", "1", "--width", "64", "--variants", "stage1")
 
 
+def test_instruction_counts_are_read_and_tabled():
+    """``bench_compile``'s instruction table: callgrind's count read from its report, each
+    stage over plain ``jit`` judged against the goal, "-" where a variant was not counted;
+    outside callgrind the counted block runs as it is."""
+    bench_compile = _load_bench("bench_compile")
+    log = "==77== Events    : Ir\n==77== Collected : 13093419319\n==77==\n"
+    assert bench_compile.collected(log) == 13093419319.0
+    assert bench_compile.collected("no report") is None
+    with bench_compile._counted():
+        ran = True
+    assert ran
+    full = {"target": "h100", "leaves": 100, "plain": 10.0, "plain+norm": 12.5}
+    full.update({"zero1+norm": 12.0, "stage0": 11.0, "stage1": 14.0})
+    full.update({"stage0_ratio": 1.1, "stage1_ratio": 1.4})
+    part = {"target": "cpu", "leaves": 10, "plain": 2.0, "stage1": 2.4, "stage1_ratio": 1.2}
+    text = bench_compile.markdown(
+        {"rows": [], "rounds": 1, "big_rounds": 1, "instructions": [full, part]}
+    )
+    assert "| H100 x 8 (compile-only) | 100 | 10.00 | 12.50 | 12.00 | 11.00 (1.10x) " in text
+    assert "| 14.00 (1.40x) | <= 1.3x: met / not met |" in text
+    assert "| CPU (8 simulated devices) | 10 | 2.00 | - | - | - | 2.40 (1.20x) " in text
+    assert "<= 1.3x: - / met |" in text
+
+
 def test_xla_timers_are_read():
     """``bench_compile.xla_seconds`` splits a step's compile from XLA's own timer lines: passes
     of the step module only, nested pipelines counted through their passes, the partitioner's,
