@@ -446,12 +446,14 @@ COUNTED: tuple[tuple[str, int, tuple[str, ...]], ...] = (
 )
 
 
-def instruction_rows(quick: bool = False) -> list[dict[str, Any]]:
-    """:func:`instructions` of each variant of :data:`COUNTED` (``quick``: XLA:CPU, 10 leaves,
-    plain ``jit`` and stage 1), the processes run side by side (a count does not depend on
-    the load), one row per compiler and size, in billions, and each stage over plain ``jit``."""
-    plan = [("cpu", 5, ("plain", "stage1"))] if quick else list(COUNTED)
-    plan = [(t, n, vs) for t, n, vs in plan if t in _targets()]
+def instruction_rows(
+    plan: tuple[tuple[str, int, tuple[str, ...]], ...] = COUNTED,
+) -> list[dict[str, Any]]:
+    """:func:`instructions` of each variant of ``plan`` ((compiler, layers, variants)), the
+    processes run side by side (a count does not depend on the load), one row per compiler
+    and size, in billions, and each stage over plain ``jit``."""
+    targets = _targets()
+    plan = tuple((t, n, vs) for t, n, vs in plan if t in targets)
     jobs = [(t, n, v) for t, n, vs in plan for v in vs]
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         counts = dict(zip(jobs, pool.map(lambda j: instructions(*j), jobs), strict=True))
@@ -735,7 +737,8 @@ def main(quick: bool = False) -> dict[str, Any]:
     # five rounds below 1,000 leaves: with two, run-to-run noise flipped the 1.3x verdicts
     res = run((5,) if quick else (5, 50, 500), rounds=1 if quick else 5, big_rounds=3)
     res["timers"] = timer_rows(5 if quick else 500, quick=quick)
-    res["instructions"] = instruction_rows(quick) if can_count() else []
+    # counting is 50-60x slower than compiling: the quick smoke run skips it
+    res["instructions"] = instruction_rows() if can_count() and not quick else []
     res["operands"] = operand_rows((300,) if quick else (300, 1000, 3000))
     res["markdown"] = markdown(res)
     return res

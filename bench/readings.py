@@ -94,6 +94,46 @@ def _timer_reading(res: dict[str, Any]) -> str:
     )
 
 
+def _instruction_reading(res: dict[str, Any]) -> str:
+    """What the instruction table of section 7 says: each stage over plain ``jit`` and the
+    goal, by counts that do not move with the machine's load."""
+    rows = res.get("instructions") or []
+    if not rows:
+        return ""
+    goal = res.get("goal", 1.3)
+    parts = []
+    for r in rows:
+        where = "XLA:CPU" if r["target"] == "cpu" else "H100s"
+        stages = [f"stage {v[-1]} {r[f'{v}_ratio']:.2f}x" for v in ("stage0", "stage1") if v in r]
+        peers = [
+            f"{label} {r[v] / r['plain']:.2f}x"
+            for v, label in (("plain+norm", "plain `jit` + norm"), ("zero1+norm", "ZeRO-1 + norm"))
+            if v in r
+        ]
+        parts.append(f"{where} {r['leaves']} leaves: " + ", ".join(stages + peers))
+    over = [
+        f"stage {v[-1]} on {'XLA:CPU' if r['target'] == 'cpu' else 'the H100s'} at "
+        f"{r['leaves']} leaves ({r[f'{v}_ratio']:.2f}x)"
+        for r in rows
+        for v in ("stage0", "stage1")
+        if v in r and r[f"{v}_ratio"] > goal
+    ]
+    verdict = (
+        "Every counted compile is within the goal."
+        if not over
+        else "Over the goal by count: " + "; ".join(over) + "."
+    )
+    return (
+        "\n\n*Counted in instructions* (the instruction table; the same program counted "
+        "twice differed by 0.09%, so unlike the seconds these ratios are the programs' own): "
+        + "; ".join(parts)
+        + f". {verdict} The counts leave out `init` and lowering (in the seconds above) and "
+        "what the seconds also weigh, such as cache misses, and stop at 300 leaves (a "
+        "1,000-leaf H100 compile runs about an hour under callgrind), so the 1,000-leaf verdict "
+        "stays with the seconds."
+    )
+
+
 def compile_reading(res: dict[str, Any]) -> str:
     rows = res["rows"]
     cpu = [r for r in rows if r["target"].startswith("CPU")]
@@ -143,21 +183,23 @@ hand-built step at 200 leaves on the H100s (2026-11-28, XLA
 compile, medians of 4 rounds) put the norm first: plain `jit` 3.92 s, the GSPMD ZeRO-1 peer
 without a norm 3.81, jaxdp's structure (gradients in `shard_map`, a `psum_scatter` per
 parameter, the sharded AdamW, the gathers) without a norm 3.88, the same with
-`optax.global_norm` 5.30, jaxdp stage 1 5.76.{_timer_reading(res)}
+`optax.global_norm` 5.30, jaxdp stage 1 5.76.{_instruction_reading(res)}{_timer_reading(res)}
 
-Two changes measured by hand on 2026-11-28 and dropped (8 compile-only H100s, stage 1, old against
-new in the same rounds): the end-of-step gathers as GSPMD reshardings (a
-sharding constraint to replicated) instead of a `shard_map` of per-parameter `all_gather`s, at
-200 leaves XLA compile 5.92 / 6.13 / 6.05 / 6.01 s against 6.01 / 6.25 / 5.76 / 5.91 (no
-change; XLA formed the same 4 combined all-gathers); and the gradient norm summed over
-concatenated chunks of about sqrt(N) parameters (XLA:GPU fuses a concatenation into the
-reduction that reads it; alone, on one compile-only H100, the squares of 1,000 arrays summed
-one by one and stacked compiled in 3.16 s, in chunks of 32 in 0.48 s), which in totals of
-init + lower + compile was faster at 100 leaves (4.25 / 3.71 / 3.69 /
-3.38 s against 4.51 / 3.99 / 4.44 / 3.78) but slower at 1,000 (56.1 / 48.3 / 58.6 / 56.3 /
-55.9 s against 47.3 / 52.0 / 52.7 / 55.6 / 49.3) and 2,000 (164.1 / 181.2 s against 152.4 /
-150.9), and no faster for the 12-layer GPT of section 11 (XLA compile 13.3 / 14.9 / 13.4 s
-against 13.9 / 12.7 / 13.7, though with 729 fusions instead of 905).
+The gradient norm on GPUs is summed over concatenations of 8 reduced gradients
+(`jaxdp._per_param.NORM_CHUNK`, since `39e3c00`; XLA:GPU fuses each concatenation into the
+reduction that reads it) instead of one reduction per parameter, which XLA joined to every
+update as a multi-output reduction fusion. Counted in instructions (8 compile-only H100s),
+stage 1 at 100 leaves 17.91 -> 15.59 billion and at 300 leaves 49.89 -> 43.76 (chunks of 4 /
+16 / 32: 45.16 / 44.28 / 46.84), stage 0 16.04 -> 13.38 and 45.81 -> 38.62; plain `jit` 13.09
+and 42.62. The same idea in chunks of about sqrt(N) had been dropped on 2026-11-28 on
+seconds: faster at 100 leaves, slower at 1,000 and 2,000 (164.1 / 181.2 s against 152.4 /
+150.9), which the 300-leaf counts bear out for wide chunks (32: +7% over 8).
+
+One change measured by hand on 2026-11-28 and dropped (8 compile-only H100s, stage 1, old
+against new in the same rounds): the end-of-step gathers as GSPMD reshardings (a sharding
+constraint to replicated) instead of a `shard_map` of per-parameter `all_gather`s, at 200
+leaves XLA compile 5.92 / 6.13 / 6.05 / 6.01 s against 6.01 / 6.25 / 5.76 / 5.91 (no change;
+XLA formed the same 4 combined all-gathers).
 
 *Stage 0* all-reduces each parameter on its own (`jaxdp._per_param.AllReduceOps`): no bucket
 to pack, and no slice of a bucket fused into every optimizer update. On XLA:CPU a loop fusion
@@ -325,29 +367,29 @@ the SPMD partitioner with Shardy 2.9 against 9.8 s. Most of the multi-output fus
 gradient norm, summed over each bucket rebuilt from its parameters' reduced shards (a
 concatenation of every gradient); summed parameter by parameter on GPUs
 (`jaxdp._per_param.nccl_collectives`) stage 1's XLA compile took 56.9 s, multi-output fusion
-7.3 s, partitioner and Shardy 7.9 s. XLA:CPU keeps the bucket sum: it compiles one reduction of
-a concatenation far faster than one per parameter (its fusion pass 1.3 s against 7.7 s at 1,000
-leaves). At 100 leaves the rest of the gap is kernels: 32 distinct kernels against plain
-`jit`'s 15, each its own LLVM module (50-70 ms of CPU each). Identical fusions become distinct
-kernels when their buffers' alignment differs (XLA specialises a kernel on it): stage 1's
-donated working params are dead from their last use until the gather rewrites them, XLA
-places temporaries in them (the first layer's kernel, last read by the first GEMM, holds the
-second layer's activation), and an entry parameter is 16-byte aligned where XLA's own buffers
-are 256-byte aligned, so the forward, input-gradient and weight-gradient GEMMs of the MLP come
-in three alignments each. Keeping the old working params alive until the gather (one element
-of each read after the gradient norm, before the first gather) took the kernels from 33 to
-26-28 (a step that does not donate its state has 26 too; plain `jit` 16) but made the compile
-slower, not faster: 3.0-3.7 s against 2.3-2.9 s (fresh processes, `83c185b`; the reads' chain
-of ORs made the simplifier iterate 25 times instead of 2, and one stacked read instead still
-cost 0.7 s). Dropped. The other part of the 32 is the gradient norm, which jaxdp's metrics
-return and the plain step does not compute: counted again at `99130ba` (PTX `.entry`s of
-the step, 100 leaves), stage 1's norm is 7 kernels of its own (a sum of squares per
-parameter in three variants, two sums of those sums, the square root and a scale), the
-GEMMs 9 against the plain step's 5, and the backward's adds and bias sums 7 against 4.
-Plain `jit` returning `optax.global_norm` of its gradients as well has 17 kernels, not
-15: XLA folds the norm's sums into the AdamW update's fusion. At stage 1 it cannot: the
-first gather waits for the norm (so no gather overwrites a donated weight before the
-backward's last read of it, and the gathered buckets are not all alive at once), and XLA
+7.3 s, partitioner and Shardy 7.9 s (since `39e3c00` in concatenations of 8, above). XLA:CPU
+keeps the bucket sum: it compiles one reduction of a concatenation far faster than one per
+parameter (its fusion pass 1.3 s against 7.7 s at 1,000 leaves). At 100 leaves the rest of the
+gap is kernels: 32 distinct kernels against plain `jit`'s 15, each its own LLVM module (50-70
+ms of CPU each). Identical fusions become distinct kernels when their buffers' alignment
+differs (XLA specialises a kernel on it): stage 1's donated working params are dead from their
+last use until the gather rewrites them, XLA places temporaries in them (the first layer's
+kernel, last read by the first GEMM, holds the second layer's activation), and an entry
+parameter is 16-byte aligned where XLA's own buffers are 256-byte aligned, so the forward,
+input-gradient and weight-gradient GEMMs of the MLP come in three alignments each. Keeping the
+old working params alive until the gather (one element of each read after the gradient norm,
+before the first gather) took the kernels from 33 to 26-28 (a step that does not donate its
+state has 26 too; plain `jit` 16) but made the compile slower, not faster: 3.0-3.7 s against
+2.3-2.9 s (fresh processes, `83c185b`; the reads' chain of ORs made the simplifier iterate 25
+times instead of 2, and one stacked read instead still cost 0.7 s). Dropped. The other part of
+the 32 is the gradient norm, which jaxdp's metrics return and the plain step does not compute:
+counted again at `99130ba` (PTX `.entry`s of the step, 100 leaves), stage 1's norm is 7 kernels
+of its own (a sum of squares per parameter in three variants, two sums of those sums, the
+square root and a scale), the GEMMs 9 against the plain step's 5, and the backward's adds and
+bias sums 7 against 4. Plain `jit` returning `optax.global_norm` of its gradients as well has
+17 kernels, not 15: XLA folds the norm's sums into the AdamW update's fusion. At stage 1 it
+cannot: the first gather waits for the norm (so no gather overwrites a donated weight before
+the backward's last read of it, and the gathered buckets are not all alive at once), and XLA
 fuses that wait into each parameter's update, so every update reads the finished norm.
 
 The same count on the main job's kind of model (the 100.7M GPT of section 11, bf16 working
@@ -508,7 +550,12 @@ its operands into one buffer: {pack} gradient volumes, which is how the detector
 a known program). Every stage reduces (and stages 1-2 gather) each parameter on its own and
 XLA's combiners group them (one NCCL group call over the separate buffers), so nothing is
 packed or unpacked; stages 1-2 reduce the gradients straight into the optimizer's shard
-layout, and stage 0 compiles with XLA's `all-reduce-contiguous` off (section 7).\
+layout, and stage 0 compiles with XLA's `all-reduce-contiguous` off (section 7). The gradient
+norm reads each reduced gradient once more (since `39e3c00`; section 7): summed in
+concatenations of 8 fused into their reductions instead of inside every update, which was one
+multi-output reduction fusion per parameter for XLA:GPU to compile (stage 0 +0.50 gradient
+volumes, +1.00 with an fp32 wire; stages 1-3 +0.06 and +0.13, one shard of each
+gradient).\
 {_fp32_wire(rows)}{_stage0_wire(rows)}{_stage3_operands(rows)}"""
 
 
