@@ -128,9 +128,10 @@ def _instruction_reading(res: dict[str, Any]) -> str:
         "twice differed by 0.09%, so unlike the seconds these ratios are the programs' own): "
         + "; ".join(parts)
         + f". {verdict} The counts leave out `init` and lowering (in the seconds above) and "
-        "what the seconds also weigh, such as cache misses, and stop at 300 leaves (a "
-        "1,000-leaf H100 compile runs about an hour under callgrind), so the 1,000-leaf verdict "
-        "stays with the seconds."
+        "what the seconds also weigh, such as cache misses, and stop at 100 leaves (a "
+        "1,000-leaf H100 compile runs about an hour under callgrind; at 300 leaves, by hand, "
+        "stage 1 counted 43.76 billion against plain `jit`'s 42.62, 1.03x), so the 1,000-leaf "
+        "verdict stays with the seconds."
     )
 
 
