@@ -29,7 +29,7 @@ work) measured the machine, not the programs, and its goal is not judged (:func:
 Where valgrind is installed, the same compiles are also counted in instructions
 (:func:`instruction_rows`, :func:`instructions`: callgrind, with the counting on only around
 the step's ``compile``). A count does not move with the machine's load (the same program
-counted twice differed by 0.09%), so these ratios judge the goal without the noise; they
+counted twice differed by 0.1-0.5%), so these ratios judge the goal without the noise; they
 leave out what the seconds also weigh (cache misses, ``init`` and lowering), and cost a
 50-60x slowdown, so they stop at 100 leaves.
 
@@ -399,7 +399,7 @@ def instructions(target: str, layers: int, variant: str) -> float:
     fresh process (:func:`fresh`'s measurement, run under ``valgrind --tool=callgrind`` with
     the counting on only around the step's ``compile``, :func:`_counted`). Unlike seconds,
     the count does not move with the machine's load: the same program counted twice differs
-    by about 0.1% (XLA:GPU's parallel Triton compiles are its one timing-dependent part)."""
+    by 0.1-0.5% (XLA:GPU's parallel Triton compiles are its one timing-dependent part)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [
@@ -681,7 +681,7 @@ def markdown(res: dict[str, Any]) -> str:
             "",
             "The same compiles counted in instructions, which do not move with the machine's "
             "load (callgrind, `bench_compile.instructions`: the step's XLA compile only, every "
-            "thread; the same program counted twice differs by about 0.1%), in billions:",
+            "thread; the same program counted twice differed by 0.1-0.5%), in billions:",
             "",
             "| compiler | leaves | plain jit | plain jit + norm | GSPMD ZeRO-1 + norm "
             "| jaxdp stage 0 (ratio) | jaxdp stage 1 (ratio) | goal |",

@@ -125,7 +125,7 @@ def _instruction_reading(res: dict[str, Any]) -> str:
     )
     return (
         "\n\n*Counted in instructions* (the instruction table; the same program counted "
-        "twice differed by 0.09%, so unlike the seconds these ratios are the programs' own): "
+        "twice differed by 0.1-0.5%, so unlike the seconds these ratios are the programs' own): "
         + "; ".join(parts)
         + f". {verdict} The counts leave out `init` and lowering (in the seconds above) and "
         "what the seconds also weigh, such as cache misses, and stop at 100 leaves (a "
@@ -190,8 +190,8 @@ The gradient norm on GPUs is summed over concatenations of 8 reduced gradients
 (`jaxdp._per_param.NORM_CHUNK`, since `39e3c00`; XLA:GPU fuses each concatenation into the
 reduction that reads it) instead of one reduction per parameter, which XLA joined to every
 update as a multi-output reduction fusion. Counted in instructions (8 compile-only H100s),
-stage 1 at 100 leaves 17.91 -> 15.59 billion and at 300 leaves 49.89 -> 43.76 (chunks of 4 /
-16 / 32: 45.16 / 44.28 / 46.84), stage 0 16.04 -> 13.38 and 45.81 -> 38.62; plain `jit` 13.09
+stage 1 at 100 leaves 17.91 -> 15.70 billion and at 300 leaves 49.89 -> 43.76 (chunks of 4 /
+16 / 32: 45.16 / 44.28 / 46.84), stage 0 16.04 -> 13.84 and 45.81 -> 38.62; plain `jit` 13.09
 and 42.62. The same idea in chunks of about sqrt(N) had been dropped on 2026-11-28 on
 seconds: faster at 100 leaves, slower at 1,000 and 2,000 (164.1 / 181.2 s against 152.4 /
 150.9), which the 300-leaf counts bear out for wide chunks (32: +7% over 8).

@@ -122,10 +122,10 @@ class _PerParameter(PlainOps):
       multi-tensor L2 norm sums it), XLA joined every parameter's sum of squares to its update,
       one multi-output reduction fusion per parameter for the fusion passes and the code
       generator: compiled for 8 H100s (instructions the step's compile executes, callgrind,
-      repeatable to 0.1%), stage 1 at 100 leaves 17.91 billion against 15.59 in chunks of 8
+      repeatable to 0.5%), stage 1 at 100 leaves 17.91 billion against 15.70 in chunks of 8
       (plain ``jit`` 13.09), at 300 leaves 49.89 against 43.76 (chunks of 4 / 16 / 32: 45.16 /
       44.28 / 46.84; plain ``jit`` 42.62), stage 0 at 100 / 300 leaves 16.04 / 45.81 against
-      13.38 / 38.62. The price: the norm reads each reduced gradient once more, outside its
+      13.84 / 38.62. The price: the norm reads each reduced gradient once more, outside its
       update (stage 0: the whole gradient in its wire dtype; stages 1-2: its 1/dp shard), in a
       few kernels more (100 leaves: 381 against 356 at stage 0, 372 against 360 at stage 1).
       Whole buckets rebuilt from their reduced parameters (as on XLA:CPU) cost more than either:
