@@ -610,6 +610,11 @@ def noisy(row: dict[str, Any]) -> bool:
     return bool(row["plain"] > row["plain_norm"])
 
 
+def _verdict(ratio: float) -> str:
+    """A ratio to plain ``jit`` against the goal."""
+    return "met" if ratio <= GOAL else "not met"
+
+
 def _instruction_line(r: dict[str, Any]) -> str:
     """One row of the instruction table ("-" where a variant was not counted)."""
 
@@ -619,10 +624,7 @@ def _instruction_line(r: dict[str, Any]) -> str:
     def stage(v: str) -> str:
         return f"{r[v]:.2f} ({r[f'{v}_ratio']:.2f}x)" if v in r else "-"
 
-    verdicts = [
-        ("met" if r[f"{v}_ratio"] <= GOAL else "not met") if v in r else "-"
-        for v in ("stage0", "stage1")
-    ]
+    verdicts = [_verdict(r[f"{v}_ratio"]) if v in r else "-" for v in ("stage0", "stage1")]
     return (
         f"| {TARGET_NAMES[r['target']]} | {r['leaves']} | {cell('plain')} "
         f"| {cell('plain+norm')} | {cell('zero1+norm')} | {stage('stage0')} "
@@ -639,11 +641,10 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [head]
     for r in res["rows"]:
         split = " / ".join(f"{r[f'stage1_{k}']:.2f}" for k in _PARTS)
-        ok = lambda x: "met" if x <= GOAL else "not met"  # noqa: E731
         verdict = (
             "not judged: plain jit above plain jit + norm (this machine's noise)"
             if r["noisy"]
-            else f"<= {GOAL}x: {ok(r['stage0_ratio'])} / {ok(r['stage1_ratio'])}"
+            else f"<= {GOAL}x: {_verdict(r['stage0_ratio'])} / {_verdict(r['stage1_ratio'])}"
         )
         lines.append(
             f"| {r['target']} | {r['leaves']} | {r['plain']:.2f} "

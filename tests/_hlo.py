@@ -1,24 +1,19 @@
-"""Reading compiled HLO text in tests."""
+"""Reading compiled HLO text in tests, through jaxdp.aot's own parser."""
 
 from __future__ import annotations
 
-import re
+from jaxdp.aot._hlo import _computations, _Instr
 
 
-def _computations(text: str) -> list[str]:
-    return re.split(r"\n(?=%?\S+ \(.*\) -> )", text)
-
-
-def written_concatenations(text: str) -> list[str]:
+def written_concatenations(text: str) -> list[_Instr]:
     """The ``concatenate`` instructions of a compiled program that write their result: every one
-    but those inside a fused computation whose result is a reduction (the gradient norm's sums
-    over a few gradients at a time, jaxdp._nested.square_sums: XLA fuses the concatenation into
-    the reduction that reads it, which writes a scalar or a row of partial sums)."""
+    but those inside a fused computation whose result (its last instruction) is a reduction
+    (the gradient norm's sums over a few gradients at a time, jaxdp._nested.square_sums: XLA
+    fuses the concatenation into the reduction that reads it, which writes a scalar or a row of
+    partial sums)."""
     out = []
-    for comp in _computations(text):
-        if "concatenate(" not in comp:
+    for _, _, instrs in _computations(text)[1]:
+        if instrs and instrs[-1].opcode == "reduce":
             continue
-        if re.search(r"ROOT \S+ = \w+\[\d*\]\S* reduce\(", comp):
-            continue
-        out += [line.strip() for line in comp.split("\n") if " concatenate(" in line]
+        out += [i for i in instrs if i.opcode == "concatenate"]
     return out
