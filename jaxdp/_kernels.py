@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from ._config import DDPConfig
 from ._layout import BucketLayout
+from ._loss_divisor import value_and_divided_grad
 from ._order import after
 from ._reduce import finish_deferred
 from .nn._fusion import fused_function
@@ -159,7 +160,8 @@ class _Sharded(Kernel):
         # Reduce-scattered as a micro-batch is, then divided once in main_grads_dtype: the
         # same bits as the final collective (jaxdp._reduce._reduce_one), but a power-of-two
         # 1/(G dp) is applied to this rank's shard, fused into the update, rather than to the
-        # whole gradient before the wire in a pass of its own.
+        # whole gradient before the wire in a pass of its own. (Where the loss carried it,
+        # jaxdp._loss_divisor, every divisor is 1 and nothing is divided here.)
         red, divisors = self.ops.reduce_microbatch(packed, self.g)
         self.divisors.append(divisors)  # static ints, the same at every trace
         return finish_deferred(tuple(r.astype(self.acc_dt) for r in red), divisors)
@@ -178,23 +180,32 @@ class ReduceAtEnd(Kernel):
     """
 
     def __init__(
-        self, *args: Any, gather_first: bool = False, order_metrics: bool = False, **kw: Any
+        self,
+        *args: Any,
+        gather_first: bool = False,
+        order_metrics: bool = False,
+        loss_divisor: int = 1,
+        **kw: Any,
     ):
         super().__init__(*args, **kw)
         # overlap_param_gather: the params arrive as shards; gather them once, up front.
         self.source = self.ops.gather_full if gather_first else (lambda p: p)
         self.order_metrics = order_metrics
+        # the gradients' mean divisor, carried by the loss (jaxdp._loss_divisor); the plan
+        # builds self.ops with the same one, so the reduction does not divide again
+        self.loss_divisor = loss_divisor
 
     def prepare(self, params: Any, mb0: Any) -> Any:
         # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
         # then yields per-device partial gradients and inserts no psum per use.
         wv = self.ops.varying(self.source(params))
+        d = self.loss_divisor
         if not self.config.gradient_accumulation_fusion:
-            return wv, jax.value_and_grad(self.parts, has_aux=True), self.parts
+            return wv, value_and_divided_grad(self.parts, d), self.parts
         # jaxdp.nn kernels differentiated as fp32: those of nn.scan stacks lifted once, here,
         # the others in each micro-batch's own body (jaxdp.nn._fusion.Lift says why).
         lift, fused = fused_function(self.parts, wv, mb0)
-        vg = jax.value_and_grad(fused, has_aux=True)
+        vg = value_and_divided_grad(fused, d)
         within = lift.within
         return lift.ahead(wv), lambda w, mb: vg(within(w), mb), lambda w, mb: fused(within(w), mb)
 

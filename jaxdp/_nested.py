@@ -76,11 +76,19 @@ class PlainOps:
     packs_whole_buckets = True
 
     def __init__(
-        self, layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
+        self,
+        layout: BucketLayout,
+        config: DDPConfig,
+        group: ReductionGroup,
+        plan: ShardingPlan,
+        loss_divisor: int = 1,
     ):
         self.layout, self.config, self.group, self.plan = layout, config, group, plan
         self.axis = group.axes
         self.groups = group.bucket_groups(layout)
+        # > 1: the gradients arrive divided by G x dp already, through the loss
+        # (jaxdp._loss_divisor); the reductions only sum them
+        self.divided = loss_divisor > 1
         # what _reduce reduces, one entry per array: buckets here, parameters in PerParamOps
         self.reduce_buckets, self.reduce_groups = list(layout.buckets), list(self.groups)
 
@@ -163,11 +171,19 @@ class PlainOps:
     ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
         out, divs = [], []
         for x, b, grp in zip(flat, self.reduce_buckets, self.reduce_groups, strict=True):
-            if grp.prediv != 1 and not self.config.calculate_per_token_loss:
+            if grp.prediv != 1 and not (self.config.calculate_per_token_loss or self.divided):
                 d = grp.prediv
                 x = _then(x, lambda v, d=d: _divided(v, d, _float_for_sum(v.dtype)))
             red, div = _reduce_one(
-                x, b, self.layout, self.config, g, deferred, axis=grp.axes, dp=grp.size
+                x,
+                b,
+                self.layout,
+                self.config,
+                g,
+                deferred,
+                axis=grp.axes,
+                dp=grp.size,
+                divided=self.divided,
             )
             out.append(red)
             divs.append(div)
@@ -218,9 +234,14 @@ class NestedOps(PlainOps):
     packs_whole_buckets = False  # the buckets cross the nested regions' boundary
 
     def __init__(
-        self, layout: BucketLayout, config: DDPConfig, group: ReductionGroup, plan: ShardingPlan
+        self,
+        layout: BucketLayout,
+        config: DDPConfig,
+        group: ReductionGroup,
+        plan: ShardingPlan,
+        loss_divisor: int = 1,
     ):
-        super().__init__(layout, config, group, plan)
+        super().__init__(layout, config, group, plan, loss_divisor)
         self.nested_plan = plan
         self.axes = set(plan.auto_axes)
         auto = plan.auto_axes

@@ -9,7 +9,9 @@
   collectives at stages 1-2, :mod:`jaxdp._per_param`);
 * the **layout** (:class:`jaxdp.BucketLayout`, with the scanned layer stacks ZeRO-3 gathers
   per layer);
-* the **strategy** (:mod:`jaxdp._strategy`), with its codecs and gradient kernel.
+* the **strategy** (:mod:`jaxdp._strategy`), with its codecs and gradient kernel;
+* the gradient mean's **divisor carried by the loss** (:mod:`jaxdp._loss_divisor`), handed
+  to both the kernel that differentiates and the operations that reduce.
 
 It is the only reader of ``zero_stage``, ``overlap_param_gather``, ``expert_axis``, the mesh
 kind and the scan stacks; the step, the checkpoints and the reports ask the strategy.
@@ -41,6 +43,7 @@ from ._kernels import (
     ScatterAtEndPerParam,
 )
 from ._layout import BucketLayout
+from ._loss_divisor import loss_divisor
 from ._nested import NestedOps, PlainOps
 from ._optim_check import check_optimizer
 from ._per_param import (
@@ -185,21 +188,27 @@ def _layout(
 
 
 def _ops(
-    config: DDPConfig, layout: BucketLayout, group: ReductionGroup, sharding: ShardingPlan
+    config: DDPConfig,
+    layout: BucketLayout,
+    group: ReductionGroup,
+    sharding: ShardingPlan,
+    divisor: int,
 ) -> PlainOps:
     """The gradient / param collectives' operations: nested regions when some parameter is
     split over an axis the step is not manual over (tensor parallelism); per parameter at
     stages 1-2 where :func:`jaxdp._per_param.per_parameter_collectives` allows it, and at
-    stage 0 where :func:`jaxdp._per_param.per_parameter_all_reduce` does; else per bucket."""
+    stage 0 where :func:`jaxdp._per_param.per_parameter_all_reduce` does; else per bucket.
+    ``divisor``: what the loss divides the gradients by (:mod:`jaxdp._loss_divisor`)."""
+    args = (layout, config, group, sharding, divisor)
     if sharding.auto_axes:
-        return NestedOps(layout, config, group, sharding)
+        return NestedOps(*args)
     if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
-        return PerParamOps(layout, config, group, sharding)
+        return PerParamOps(*args)
     if config.zero_stage == 3 and reduces_per_parameter(config, layout):
-        return PerParamOps(layout, config, group, sharding)
+        return PerParamOps(*args)
     if config.zero_stage == 0 and per_parameter_all_reduce(config, layout):
-        return AllReduceOps(layout, config, group, sharding)
-    return PlainOps(layout, config, group, sharding)
+        return AllReduceOps(*args)
+    return PlainOps(*args)
 
 
 def _codecs(config: DDPConfig, layout: BucketLayout, sharding: ShardingPlan) -> tuple[Codec, Codec]:
@@ -221,18 +230,21 @@ def _strategy(
     optimizer: optax.GradientTransformation,
 ) -> Strategy:
     plain, view = _codecs(config, layout, sharding)
+    g, stage = config.num_microbatches, config.zero_stage
+    # Stages 0-2 divide the gradients through the loss where that gives the same bits (a
+    # power of two); stage 3 reduces inside its gathers' transpose and divides there.
+    divisor = loss_divisor(config, layout, group.bucket_groups(layout)) if stage < 3 else 1
     common = dict(
         config=config,
         layout=layout,
         sharding=sharding,
         group=group,
         optimizer=optimizer,
-        ops=_ops(config, layout, group, sharding),
+        ops=_ops(config, layout, group, sharding, divisor),
         # The step is manual over the group's axes; on a mesh whose other axes hold no split
         # parameter, over all of them (the params are whole there).
         axis_names=set(group.mesh.axis_names if sharding.trivial else group.manual_axes),
     )
-    g, stage = config.num_microbatches, config.zero_stage
     # With micro-batches, accumulate per parameter (the GEMM's epilogue can do the add) where
     # the params are whole on each device; nested regions keep bucket accumulators.
     per_param_acc = g > 1 and not isinstance(common["ops"], NestedOps)
@@ -255,6 +267,7 @@ def _strategy(
             ReduceAtEndPerParam if per_param_acc else ReduceAtEnd,
             peel_last=peel,
             order_metrics=psum_buckets and group.size > 1,
+            loss_divisor=divisor,
         )
         return Replicated(
             kernel=kernel,
@@ -266,10 +279,14 @@ def _strategy(
     if stage in (1, 2):
         early = config.overlap_param_gather  # params kept sharded, gathered up front
         if stage == 2 and g > 1:
-            kernel = functools.partial(ReduceEachMicrobatch, gather_first=early)
+            kernel = functools.partial(
+                ReduceEachMicrobatch, gather_first=early, loss_divisor=divisor
+            )
         else:
             each = ScatterAtEndPerParam if per_param_acc else ScatterAtEnd
-            kernel = functools.partial(each, gather_first=early, peel_last=peel)
+            kernel = functools.partial(
+                each, gather_first=early, peel_last=peel, loss_divisor=divisor
+            )
         return ShardedOpt(
             kernel=kernel,
             master_codec=view,

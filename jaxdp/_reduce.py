@@ -216,6 +216,7 @@ def _reduce_one(
     *,
     axis: Any = None,
     dp: int | None = None,
+    divided: bool = False,
 ) -> tuple[jax.Array, int]:
     """One bucket's collective. Every scaling is done in fp32 (or wider) before any rounding.
 
@@ -224,6 +225,8 @@ def _reduce_one(
 
     ``axis`` / ``dp`` (default ``config.data_axis`` / ``layout.dp_size``) name the bucket's
     reduction group when it is not the data axis (:class:`jaxdp._group.BucketGroup`).
+    ``divided``: ``x`` is already divided by ``G x dp`` (the loss was,
+    :mod:`jaxdp._loss_divisor`); the collective sums it and divides by nothing.
 
     Returns ``(reduced, divisor)``. With ``deferred=False`` the result is final (``divisor`` is
     1). With ``deferred=True`` (stage 2: ``x`` is one micro-batch's gradient and the caller adds
@@ -238,7 +241,8 @@ def _reduce_one(
     acc = _float_for_sum(wire)
     scatter = layout.kind != "contiguous"
     # Per-token loss: the engine divides by the global token count after the reduction.
-    per_token = config.calculate_per_token_loss
+    # Divided: the loss carried the divisor (its power of two commutes with every rounding).
+    per_token = config.calculate_per_token_loss or divided
     g_div = 1 if per_token else g
     dp_div = 1 if per_token else dp
 
@@ -264,7 +268,8 @@ def _reduce_one(
 
     if wire.itemsize >= 4:
         # An fp32 (or wider) wire: cast first (exact for bf16 gradients), sum unscaled, then
-        # divide once by G * dp. No rounding of the gradients happens before the sum.
+        # divide once by G * dp. No rounding of the gradients happens before the sum. (With
+        # ``divided`` the loss carried the power-of-two G * dp: div is 1, nothing to scale.)
         x = _then(x, lambda v: v.astype(wire))
         div = g_div * dp_div
         if not scatter and div & (div - 1) == 0:
