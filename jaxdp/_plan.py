@@ -287,13 +287,17 @@ def _strategy(
             kernel = functools.partial(
                 each, gather_first=early, peel_last=peel, loss_divisor=divisor
             )
+        per_parameter = isinstance(common["ops"], PerParamOps)
         return ShardedOpt(
             kernel=kernel,
             master_codec=view,
             params_codec=view if early else plain,
             params_sharded=early,
             scatters_per_step=g if stage == 2 else 1,
-            per_parameter=isinstance(common["ops"], PerParamOps),
+            per_parameter=per_parameter,
+            # one flat view per parameter, every parameter whole on each device: the gather
+            # after the update is the partitioner's (ShardedOpt._gather_global)
+            gathers_globally=per_parameter and sharding.trivial,
             **common,
         )
     # stage 3: scanned layer stacks are gathered one layer per scan iteration

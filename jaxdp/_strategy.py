@@ -287,20 +287,47 @@ class ShardedOpt(Strategy):
     """Stages 1-2: master weights and optimizer state sharded over the data axis; gradients
     reduce-scattered once (stage 1) or every micro-batch (stage 2); the working params
     gathered after the update (or, with ``overlap_param_gather``, kept sharded and gathered
-    at the start of the next step)."""
+    at the start of the next step). ``gathers_globally``: that gather is the partitioner's
+    (:meth:`_gather_global`), not a ``shard_map`` of its own."""
 
     name = "sharded optimizer"
 
     def __init__(
-        self, *, scatters_per_step: int, params_sharded: bool, per_parameter: bool, **kw: Any
+        self,
+        *,
+        scatters_per_step: int,
+        params_sharded: bool,
+        per_parameter: bool,
+        gathers_globally: bool = False,
+        **kw: Any,
     ):
         super().__init__(**kw)
         self.scatters = scatters_per_step
         self.params_sharded = params_sharded
         self.gathers_per_parameter = self.reduces_per_parameter = per_parameter
+        self.gathers_globally = gathers_globally
 
     def _gather(self, new: Any, params: Any, last: jax.Array) -> Any:
+        if self.gathers_globally:
+            return self._gather_global(new)
         return gather_params(new, last, self.master_codec, self.params_codec, self.ops)
+
+    def _gather_global(self, new: Any) -> Any:
+        """Each new master shard cast to its working dtype and constrained to be replicated:
+        the partitioner gathers it (one all-gather per parameter, which XLA combines as it
+        does jaxdp's own, :func:`jaxdp._per_param.gather_leaves`), and the padding is sliced
+        off and the shape restored on the whole array. Where the layout's views are one flat
+        array per parameter and every parameter is whole on each device (the plan's
+        ``gathers_globally``), this is the same program without a second ``shard_map``, whose
+        cost in Shardy and the SPMD partitioner grows with the square of its operands
+        (BENCHMARKS.md section 7)."""
+        replicated = NamedSharding(self.sharding.mesh, P())
+        leaves = jax.tree_util.tree_leaves(new)
+        work = [
+            jax.lax.with_sharding_constraint(x.astype(d), replicated)
+            for x, d in zip(leaves, self.work_dtypes, strict=True)
+        ]
+        return self.layout.from_global_view(work)
 
     def rebuild(self, new_target: Any, params: Any, last: jax.Array) -> tuple[Any, Any]:
         # overlap_param_gather: the next step gathers them; just cast the new master shards

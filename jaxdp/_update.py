@@ -5,7 +5,8 @@ and optimizer state are replicated; at stages >= 1 they are the layout's shard v
 the data axis, so XLA's partitioner runs rank ``r``'s part of every elementwise optimizer
 operation on rank ``r`` and adds no collective (the tests check the compiled program). Then
 ``all_gather`` per bucket (or per parameter), inside ``shard_map``, rebuilds the working
-params in their dtype.
+params in their dtype; on a 1-D mesh with per-parameter views the partitioner does that
+gather itself (:meth:`jaxdp._strategy.ShardedOpt._gather_global`).
 """
 
 from __future__ import annotations
