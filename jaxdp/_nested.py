@@ -233,16 +233,10 @@ class NestedOps(PlainOps):
 
     packs_whole_buckets = False  # the buckets cross the nested regions' boundary
 
-    def __init__(
-        self,
-        layout: BucketLayout,
-        config: DDPConfig,
-        group: ReductionGroup,
-        plan: ShardingPlan,
-        loss_divisor: int = 1,
-    ):
-        super().__init__(layout, config, group, plan, loss_divisor)
-        self.nested_plan = plan
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        plan = self.nested_plan = self.plan
+        layout = self.layout
         self.axes = set(plan.auto_axes)
         auto = plan.auto_axes
         keys = [tuple(a for a in b.shard_axes if a in auto) for b in layout.buffers]
