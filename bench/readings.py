@@ -196,11 +196,34 @@ and 42.62. The same idea in chunks of about sqrt(N) had been dropped on 2026-11-
 seconds: faster at 100 leaves, slower at 1,000 and 2,000 (164.1 / 181.2 s against 152.4 /
 150.9), which the 300-leaf counts bear out for wide chunks (32: +7% over 8).
 
-One change measured by hand on 2026-11-28 and dropped (8 compile-only H100s, stage 1, old
-against new in the same rounds): the end-of-step gathers as GSPMD reshardings (a sharding
-constraint to replicated) instead of a `shard_map` of per-parameter `all_gather`s, at 200
-leaves XLA compile 5.92 / 6.13 / 6.05 / 6.01 s against 6.01 / 6.25 / 5.76 / 5.91 (no change;
-XLA formed the same 4 combined all-gathers).
+Two changes of 2026-11-29, counted in instructions at 100 leaves (plain `jit`: 13.02 billion on
+8 compile-only H100s, 4.88 on XLA:CPU). The gradients' mean divisor `G x dp`, where it is a
+power of two, is carried by the loss (`jaxdp._loss_divisor`: the backward pass starts from the
+cotangent `1/d`, the same bits come out, and no multiply per parameter is left for the compiler
+to carry): stage 0 13.84 -> 13.32 (H100s) and 6.08 -> 5.92 (XLA:CPU), stage 1 15.70 -> 14.91 and
+7.28 -> 6.99; at stage 0 with a bf16 wire it also removes the pass that scaled each gradient
+before its all-reduce (section 11: 45.36 -> 44.45 gradient volumes). And on a 1-D mesh the
+gathers after the update are the partitioner's (a sharding constraint to replicated,
+`ShardedOpt._gather_global`) instead of a second `shard_map`: stage 1 14.91 -> 14.68 and
+6.99 -> 6.73. The same resharding had been measured on 2026-11-28 in seconds (200 leaves, XLA
+compile 5.92 / 6.13 / 6.05 / 6.01 s against 6.01 / 6.25 / 5.76 / 5.91) and dropped as no
+change; counted, it is 1.5-4% at 100 leaves, and at 1,000 leaves it removes a `shard_map` of
+1,000 operands and 1,000 results, whose cost in Shardy grows with the square of its operands.
+XLA forms the same combined all-gathers, and section 11's traffic and peaks are unchanged.
+
+What is left at 1,000 leaves, counted on XLA:CPU (one compile each, billions of instructions):
+plain `jit` 55.96, stage 0 80.83 -> 77.32 with the loss's divisor (1.38x), stage 1 96.68 (1.73x). Of
+stage 1's +40.7: XLA:CPU's thunk execution graph +13.9 (2,000 collective thunks, one
+reduce-scatter and one all-gather per parameter, which XLA:CPU never combines, each checked
+against the others and the edges pruned), Shardy +14.0 (+8.0 of it rebuilding the body
+arguments' shardings of the step's `shard_map` on every lookup, `eraseManualAxes`: 1,000
+params, each looked up at each use), the SPMD partitioner +3.9 (tuple shardings of the same
+operands) and LLVM +3.2. Stage 0 pays Shardy +10.5 (+8.1 in the argument lookups) and the
+partitioner +3.5, but not the thunk graph. Tried and dropped: the optimizer update inside the
+step's `shard_map`
+(elementwise optimizers are the same there, bit for bit): its 400 more operands made the
+argument lookups cost 1.15 billion instead of 0.14 at 100 leaves, and the step 8.89 against
+7.28 (XLA:CPU), although Shardy's propagation over the update fell by 0.14.
 
 *Stage 0* all-reduces each parameter on its own (`jaxdp._per_param.AllReduceOps`): no bucket
 to pack, and no slice of a bucket fused into every optimizer update. On XLA:CPU a loop fusion
