@@ -184,22 +184,18 @@ class ReduceAtEnd(Kernel):
         *args: Any,
         gather_first: bool = False,
         order_metrics: bool = False,
-        loss_divisor: int = 1,
         **kw: Any,
     ):
         super().__init__(*args, **kw)
         # overlap_param_gather: the params arrive as shards; gather them once, up front.
         self.source = self.ops.gather_full if gather_first else (lambda p: p)
         self.order_metrics = order_metrics
-        # the gradients' mean divisor, carried by the loss (jaxdp._loss_divisor); the plan
-        # builds self.ops with the same one, so the reduction does not divide again
-        self.loss_divisor = loss_divisor
 
     def prepare(self, params: Any, mb0: Any) -> Any:
         # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
         # then yields per-device partial gradients and inserts no psum per use.
         wv = self.ops.varying(self.source(params))
-        d = self.loss_divisor
+        d = self.ops.loss_divisor  # carried by the loss; the reductions only sum (ops)
         if not self.config.gradient_accumulation_fusion:
             return wv, value_and_divided_grad(self.parts, d), self.parts
         # jaxdp.nn kernels differentiated as fp32: those of nn.scan stacks lifted once, here,

@@ -13,17 +13,17 @@ What that saves is compile time: one multiply per parameter, which XLA fuses int
 or into the update at run time but which every pass of the compiler (Shardy's propagation and
 export, the fusion passes, the code generators) has to carry. The 128 x 128 MLP of
 ``bench/bench_compile.py`` at 100 leaves, instructions of the step's XLA compile (callgrind):
-8 compile-only H100s stage 0 13.84 -> 13.23 billion and stage 1 15.70 -> 14.94 (plain
-``jit``: 13.02); XLA:CPU stage 0 6.08 -> 5.88 and stage 1 7.28 -> 6.98 (plain ``jit``: 4.88).
+8 compile-only H100s stage 0 13.84 -> 13.32 billion and stage 1 15.70 -> 14.91 (plain
+``jit``: 13.02); XLA:CPU stage 0 6.08 -> 5.92 and stage 1 7.28 -> 6.99 (plain ``jit``: 4.88).
 
 :func:`loss_divisor` decides where it applies, once per engine (the plan hands the result to
-both the kernel that differentiates and the operations that reduce): a mean over ranks (not
-``calculate_per_token_loss``, which divides by the global token count after the reduction),
-one divisor for every bucket (an expert bucket's ``prediv x size`` is the dense group's size)
-and a power of two above 1, and no float16 among the params, gradients or accumulators (its
-5-bit exponent would push small cotangents into subnormals ``log2(d)`` bits earlier; bfloat16
-and float32 share an 8-bit exponent). Stage 3 reduces inside its gathers' transpose and keeps
-its own division.
+the operations that reduce, and the kernel that differentiates reads it there): a mean over
+ranks (not ``calculate_per_token_loss``, which divides by the global token count after the
+reduction), one divisor for every bucket (an expert bucket's ``prediv x size`` is the dense
+group's size) and a power of two above 1, and no float16 among the params, gradients or
+accumulators (its 5-bit exponent would push small cotangents into subnormals ``log2(d)`` bits
+earlier; bfloat16 and float32 share an 8-bit exponent). Stage 3 reduces inside its gathers'
+transpose and keeps its own division.
 
 Example:
     >>> import jax.numpy as jnp

@@ -86,8 +86,9 @@ class PlainOps:
         self.layout, self.config, self.group, self.plan = layout, config, group, plan
         self.axis = group.axes
         self.groups = group.bucket_groups(layout)
-        # > 1: the gradients arrive divided by G x dp already, through the loss
-        # (jaxdp._loss_divisor); the reductions only sum them
+        # > 1: the kernel divides the loss by it, so the gradients arrive divided by G x dp
+        # already (jaxdp._loss_divisor); the reductions only sum them
+        self.loss_divisor = loss_divisor
         self.divided = loss_divisor > 1
         # what _reduce reduces, one entry per array: buckets here, parameters in PerParamOps
         self.reduce_buckets, self.reduce_groups = list(layout.buckets), list(self.groups)

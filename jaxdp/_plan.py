@@ -10,8 +10,8 @@
 * the **layout** (:class:`jaxdp.BucketLayout`, with the scanned layer stacks ZeRO-3 gathers
   per layer);
 * the **strategy** (:mod:`jaxdp._strategy`), with its codecs and gradient kernel;
-* the gradient mean's **divisor carried by the loss** (:mod:`jaxdp._loss_divisor`), handed
-  to both the kernel that differentiates and the operations that reduce.
+* the gradient mean's **divisor carried by the loss** (:mod:`jaxdp._loss_divisor`), held by
+  the operations that reduce, which the kernel that differentiates reads it from.
 
 It is the only reader of ``zero_stage``, ``overlap_param_gather``, ``expert_axis``, the mesh
 kind and the scan stacks; the step, the checkpoints and the reports ask the strategy.
@@ -267,7 +267,6 @@ def _strategy(
             ReduceAtEndPerParam if per_param_acc else ReduceAtEnd,
             peel_last=peel,
             order_metrics=psum_buckets and group.size > 1,
-            loss_divisor=divisor,
         )
         return Replicated(
             kernel=kernel,
@@ -279,14 +278,10 @@ def _strategy(
     if stage in (1, 2):
         early = config.overlap_param_gather  # params kept sharded, gathered up front
         if stage == 2 and g > 1:
-            kernel = functools.partial(
-                ReduceEachMicrobatch, gather_first=early, loss_divisor=divisor
-            )
+            kernel = functools.partial(ReduceEachMicrobatch, gather_first=early)
         else:
             each = ScatterAtEndPerParam if per_param_acc else ScatterAtEnd
-            kernel = functools.partial(
-                each, gather_first=early, peel_last=peel, loss_divisor=divisor
-            )
+            kernel = functools.partial(each, gather_first=early, peel_last=peel)
         per_parameter = isinstance(common["ops"], PerParamOps)
         return ShardedOpt(
             kernel=kernel,
