@@ -484,4 +484,10 @@ def test_one_rank_microbatches_match_reference(data, stage, g):
     assert dp.dp == 1
     assert max_rel_err(dp.params(state), ref) < 1e-6
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    # Stages 1-3 keep an fp32 master beside the fp32 working params (returned apart, through
+    # jaxdp._order.after, at one rank): the same bits.
+    work, master, _ = dp.plan.strategy.to_canonical(state)
+    assert (master is None) == (stage == 0)
+    for w, m in zip(jax.tree.leaves(work), jax.tree.leaves(master), strict=stage > 0):
+        np.testing.assert_array_equal(np.asarray(w).view(np.uint32), np.asarray(m).view(np.uint32))
     assert min(ref_norms) > 0.05
