@@ -7,6 +7,10 @@ from ._platform import prepare_jax as _prepare_jax
 
 _prepare_jax()  # before anything imports jax: no CUDA noise on machines without a GPU
 
+from ._frames import exclude_engine_frames as _exclude_engine_frames
+
+_exclude_engine_frames()  # operations' source locations start at the user's code
+
 from . import aot as aot
 from . import nn as nn
 from . import testing as testing
