@@ -206,11 +206,12 @@ class Strategy:
         ``last``: a value every gradient reduction feeds, to order gathers after).
 
         With one rank, a master leaf in its parameter's working dtype is the working param's
-        value too. XLA then writes the update once and copies it into the other output
-        buffer, one copy kernel per leaf (64-layer MLP on one compile-only H100, fp32 params:
-        stages 1-2 519 kernel launches against 391, stage 3 402 against 274). The master
-        goes out as :func:`jaxdp._order.after` of the norm instead: the same bits, a value of
-        its own that the update's fusion writes beside the working param."""
+        value too. XLA then wrote the update once and copied it into the other output
+        buffer, one copy kernel per leaf. The master goes out as :func:`jaxdp._order.after`
+        of the norm instead: the same bits, a value of its own that the update's fusion
+        writes beside the working param (64-layer MLP on one compile-only H100, fp32 params,
+        kernel launches per step: stages 1-2 519 -> 391, stage 3 402 -> 276; bare ``jit``
+        381)."""
         work = self._working(new_target, params, last)
         if not self.has_master:
             return work, None
