@@ -6,15 +6,16 @@ through each pass as the instruction's location, into its metadata and profiles.
 :class:`jaxdp.DataParallel` step the innermost frames are the engine's (``jaxdp/_*.py``: the
 strategy, the kernel, the reductions), so each of the model's operations carried a chain of
 engine frames before the user's own, and the engine's operations a chain that named only
-jaxdp. Registered as JAX's own are (as flax registers its module machinery), an operation's
-location starts at the user's code: the line of the model that made it, or the line that called
-the step. The model code jaxdp ships (``jaxdp.models``, ``jaxdp.nn``) keeps its frames, as flax
-keeps ``flax.linen``'s layers.
+jaxdp. Registered as JAX's own (as flax registers its module machinery), those frames drop
+out, and an operation's location starts at the user's code: the line of the model that made
+it, or the line that called the step. The model code jaxdp ships (``jaxdp.models``,
+``jaxdp.nn``) keeps its frames, as flax keeps ``flax.linen``'s layers.
 
 What it saves in compile time, counted in instructions with callgrind (BENCHMARKS.md section 7),
-100-leaf MLP on 8 simulated XLA:CPU devices: stage 1 6.81-6.86 -> 6.69 billion (plain ``jit``
-4.90; with no locations at all, 6.63 and 4.85). XLA's importers spent twice plain ``jit``'s
-instructions on locations (``GenerateInstructionLocation``).
+100-leaf MLP on 8 simulated XLA:CPU devices: stage 1 6.81-6.86 -> 6.60 billion, stage 0 5.90 ->
+5.80 (plain ``jit`` 4.89; with no locations at all, stage 1 6.63 and plain ``jit`` 4.85); 8
+compile-only H100s: stage 1 14.66 -> 14.22 (plain ``jit`` 13.10). XLA's importers had spent
+twice plain ``jit``'s instructions on locations (``GenerateInstructionLocation``).
 
 ``JAXDP_SOURCE_FRAMES=1`` in the environment when jaxdp is imported keeps the engine's frames
 (for debugging jaxdp itself).

@@ -215,8 +215,13 @@ class Strategy:
         work = self._working(new_target, params, last)
         if not self.has_master:
             return work, None
-        one_rank_alias = self.group.size == 1 and self.master_dtype in self.work_dtypes
-        return work, after(new_target, last) if one_rank_alias else new_target
+        return work, after(new_target, last) if self.master_apart else new_target
+
+    @property
+    def master_apart(self) -> bool:
+        """Whether :meth:`rebuild` returns the master as a value of its own: one rank, and a
+        master in some parameter's working dtype (where it is that working param's value)."""
+        return self.has_master and self.group.size == 1 and self.master_dtype in self.work_dtypes
 
     def _working(self, new_target: Any, params: Any, last: jax.Array) -> Any:
         """The working params from the updated target (the master where there is one)."""

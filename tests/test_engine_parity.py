@@ -488,6 +488,7 @@ def test_one_rank_microbatches_match_reference(data, stage, g):
     # jaxdp._order.after, at one rank): the same bits.
     work, master, _ = dp.plan.strategy.to_canonical(state)
     assert (master is None) == (stage == 0)
+    assert dp.plan.strategy.master_apart == (stage > 0)
     for w, m in zip(jax.tree.leaves(work), jax.tree.leaves(master), strict=stage > 0):
         np.testing.assert_array_equal(np.asarray(w).view(np.uint32), np.asarray(m).view(np.uint32))
     assert min(ref_norms) > 0.05
