@@ -38,7 +38,8 @@ def engine_prefix() -> str:
 
 def exclude_engine_frames(environ: dict[str, str] | None = None) -> bool:
     """Register :func:`engine_prefix` with JAX as a path of its own (skipped where ``ENV`` is
-    set to anything but ``0`` or empty); whether it did.
+    set to anything but ``0`` or empty, or where jax has no ``jax.extend.source_info_util``
+    hook: locations are metadata, so jaxdp works the same without it); whether it did.
 
     Example:
         >>> exclude_engine_frames({ENV: "1"})
@@ -47,7 +48,11 @@ def exclude_engine_frames(environ: dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     if env.get(ENV, "0") not in ("", "0"):
         return False
-    from jax.extend import source_info_util
+    try:
+        from jax.extend import source_info_util
 
-    source_info_util.register_exclusion(engine_prefix())
+        register = source_info_util.register_exclusion
+    except (ImportError, AttributeError):  # pragma: no cover - a jax without the hook
+        return False
+    register(engine_prefix())
     return True

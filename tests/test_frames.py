@@ -91,3 +91,12 @@ def test_same_program_with_and_without_the_engine_frames():
         siu.is_user_filename.cache_clear()
     for a, b in zip(hidden, shown, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_jax_without_the_hook_leaves_the_locations_alone(monkeypatch):
+    """Locations are metadata: where jax has no ``register_exclusion`` jaxdp imports and runs
+    as before, with its frames in the locations."""
+    import jax.extend.source_info_util as public
+
+    monkeypatch.delattr(public, "register_exclusion")
+    assert exclude_engine_frames({}) is False
