@@ -236,8 +236,7 @@ class NestedOps(PlainOps):
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
-        plan = self.nested_plan = self.plan
-        layout = self.layout
+        plan, layout = self.plan, self.layout
         self.axes = set(plan.auto_axes)
         auto = plan.auto_axes
         keys = [tuple(a for a in b.shard_axes if a in auto) for b in layout.buffers]
@@ -295,7 +294,7 @@ class NestedOps(PlainOps):
         return f(tuple(red))
 
     def out_shards(self, red: Sequence[jax.Array]) -> Any:
-        layout, plan = self.layout, self.nested_plan
+        layout, plan = self.layout, self.plan
         # A split leaf's local piece becomes one row of its [M, k] view.
         auto = plan.auto_axes
 
@@ -313,10 +312,10 @@ class NestedOps(PlainOps):
     def _rows(self, view: Any) -> Any:
         """Inside the nested region: a split leaf's ``[1, k]`` block -> its 1-D piece."""
         leaves = jax.tree_util.tree_leaves(view)
-        auto = self.nested_plan.auto_axes
+        auto = self.plan.auto_axes
         rows = [
             x[0] if _local_axes(ls, auto) else x
-            for x, ls in zip(leaves, self.nested_plan.leaves, strict=True)
+            for x, ls in zip(leaves, self.plan.leaves, strict=True)
         ]
         return jax.tree_util.tree_unflatten(self.layout.treedef, rows)
 

@@ -341,13 +341,13 @@ def test_one_rank_writes_master_and_params_without_a_copy(extra):
     cfg = DDPConfig(bucket_size=BUCKET, **extra)
     dp = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=h100_mesh(1))
     entry = re.search(r"^ENTRY .*?^}", compile_step(dp, params, batch).as_text(), re.M | re.S)
+    assert entry is not None
+    # (a micro-batch loop's counter and scalar inits are copied: not a leaf's)
+    assert re.search(r"= \w+\[\d[^\]]*\]\S* copy(-start)?\(", entry.group(0)) is None
     assert dp.plan.strategy.master_apart == ("param_dtype" not in extra)
     more = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=h100_mesh(8))
     compile_step(more, params, batch)
     assert not more.plan.strategy.master_apart  # more ranks: the gather makes a value apart
-    assert entry is not None
-    # (a micro-batch loop's counter and scalar inits are copied: not a leaf's)
-    assert re.search(r"= \w+\[\d[^\]]*\]\S* copy(-start)?\(", entry.group(0)) is None
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,13 @@ def _files(text):
     }
 
 
+def _set_exclusions(paths):
+    """Replace jax's excluded path prefixes (and drop the caches that remember them)."""
+    siu._exclude_paths[:] = paths
+    siu._exclude_path_regex.cache_clear()
+    siu.is_user_filename.cache_clear()
+
+
 def test_engine_frames_are_not_user_frames_but_model_code_is():
     import jaxdp._engine
     import jaxdp.models
@@ -36,8 +43,8 @@ def test_engine_frames_are_not_user_frames_but_model_code_is():
 
 
 def test_the_steps_locations_name_the_users_code_and_no_engine_module():
-    """Every stage's lowered step: the model's operations located in this file (the loss,
-    from tests/_models.py), none in jaxdp/_*.py."""
+    """Every stage's lowered step: the model's operations located in the user's file (the
+    loss, tests/_models.py), none in jaxdp/_*.py."""
     for stage in (0, 1, 3):
         cfg = DDPConfig(zero_stage=stage, bucket_size=200)
         dp = DataParallel(mse_loss, optax.adam(1e-3), cfg, mesh=make_mesh())
@@ -79,16 +86,12 @@ def test_same_program_with_and_without_the_engine_frames():
 
     hidden = run()
     before = list(siu._exclude_paths)
-    siu._exclude_paths[:] = [p for p in before if p != engine_prefix()]
-    siu._exclude_path_regex.cache_clear()
-    siu.is_user_filename.cache_clear()
+    _set_exclusions([p for p in before if p != engine_prefix()])
     try:
         assert siu.is_user_filename(jaxdp.__file__)
         shown = run()
     finally:
-        siu._exclude_paths[:] = before
-        siu._exclude_path_regex.cache_clear()
-        siu.is_user_filename.cache_clear()
+        _set_exclusions(before)
     for a, b in zip(hidden, shown, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
