@@ -245,6 +245,28 @@ step's `shard_map`
 argument lookups cost 1.15 billion instead of 0.14 at 100 leaves, and the step 8.89 against
 7.28 (XLA:CPU), although Shardy's propagation over the update fell by 0.14.
 
+Measured on 2026-12-01 and not kept (XLA:CPU, 100 leaves, instructions of the step's compile,
+one count each; plain `jit` 4.89 billion in `bench_compile.instructions`, 4.97 in the harness
+that ran the variants, which counted stage 1 as it is at 6.61). Where stage 1's +1.64 billion
+over plain `jit` goes (callgrind, inclusive): Shardy +0.63 (its propagation over the sharded
+update +0.27, the `shard_map` argument lookups +0.08, explicit reshards +0.08), LLVM +0.37
+(most of it the norm's concatenation kernel), the StableHLO-to-HLO conversion +0.18, XLA:CPU's
+thunk execution graph +0.12 (it checks every pair of thunks for conflicts, 1.6 million checks
+here, so its cost grows with the square of the thunks; stage 1 has about 1.4x plain `jit`'s:
+the 100 reduce-scatters and 100 all-gathers XLA:CPU never combines, and 49 param copies), the
+fusion emitter +0.10 and the SPMD partitioner +0.07. Five changes, each against 6.61:
+reduce-scatter as a `psum` and a `dynamic_slice` of this rank's part (XLA:CPU combines
+all-reduces into one; the same bits) 7.41, the dynamic-slice fusions costing more than the
+collectives saved; an `optimization_barrier` over the params at the top of the gradient
+`shard_map` (one use of each argument) 6.66, the argument lookups unchanged (508 of them: they
+come from the manual computation's own edges, not from the body's uses); the packed buckets
+again (the per-parameter switch off) 23.97, and at 1,000 leaves 83-98 s of compile against
+16-19 s (3,000 slice fusions); a state that is not donated 6.48 (the 49 copies and their
+aliasing cost 0.13, less than ordering the gathers, 7.12 above); and GSPMD's propagation
+instead of Shardy (`JAX_USE_SHARDY_PARTITIONER=false`, both sides) plain `jit` 4.24 and stage 1
+5.12, but JAX is removing GSPMD, so a library cannot choose it. Counted again at 1,000 leaves,
+stage 1 is 95.76 (1.71x), as before.
+
 *Stage 0* all-reduces each parameter on its own (`jaxdp._per_param.AllReduceOps`): no bucket
 to pack, and no slice of a bucket fused into every optimizer update. On XLA:CPU a loop fusion
 with a `slice` costs about 20 ms to emit against about 1 ms for an elementwise one (the
