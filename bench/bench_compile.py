@@ -19,7 +19,7 @@ about +-15% on a shared 2-core machine, and by up to 1.5x in slow spells that ca
 round (stage 0 at 1,000 leaves for the H100s read 0.96x, 1.37x and 1.61x in three runs of the
 same code), so plain ``jit``, stage 0 and stage 1 run back to back in rounds and each ratio
 is taken within its round (:func:`run`). ``init`` is split into the layout, the optimizer
-probe (``jaxdp._optim_check``) and the rest.
+probe (``jaxdp._src.optim.check``) and the rest.
 
 A third table splits one more compile of each variant at 1,000 leaves by XLA's own pass timers
 (:func:`timer_rows`, :func:`xla_seconds`): the partitioner, fusion, the other HLO passes and the
@@ -224,7 +224,7 @@ class _Timed:
 
 def jaxdp_step(layers: int, mesh: Any, abstract: bool, stage: int) -> dict[str, float]:
     """layout / optimizer probe / init / lower / compile CPU seconds of a fresh jaxdp engine."""
-    import jaxdp._plan as plan_module
+    import jaxdp._src.strategy.plan as plan_module
 
     cfg = jaxdp.DDPConfig(zero_stage=stage)
     clock = _Clock()

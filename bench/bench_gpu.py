@@ -174,7 +174,7 @@ import optax  # noqa: E402
 
 import jaxdp  # noqa: E402
 from jaxdp import aot  # noqa: E402
-from jaxdp._xla_flags import engine_compiler_options  # noqa: E402
+from jaxdp._src.platform.xla_flags import engine_compiler_options  # noqa: E402
 from jaxdp.models import GPT, GPTConfig, attention_implementation, next_byte_loss  # noqa: E402
 from jaxdp.train._data import CorpusError, batch_rows, load_corpus  # noqa: E402
 from jaxdp.train._mfu import peak_tflops, train_flops_per_token  # noqa: E402

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdp import DataParallel, DDPConfig, aot
-from jaxdp._config import REMAT_POLICIES
+from jaxdp._src.config.config import REMAT_POLICIES
 from jaxdp.models import GPT, GPTConfig, next_byte_loss
 
 N = 8

@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from jaxdp import aot
-from jaxdp._dot_operands import name_batched_dot_operands
-from jaxdp._remat import gemm_policy
+from jaxdp._src.zero3.dot_operands import name_batched_dot_operands
+from jaxdp._src.zero3.remat import gemm_policy
 
 N = 8
 
@@ -59,9 +59,10 @@ def gspmd_fsdp_step(loss_fn: Any, optimizer: Any, g: int, mesh: Any, *, remat: b
     Each bf16 param is constrained to be replicated where it is used (the all-gather of FSDP);
     the partitioner makes the transpose of that a reduce-scatter of its gradient. With
     ``remat`` the loss runs under ``jax.checkpoint`` with the rule of stage 3's default
-    ``remat_policy="gemm"`` (:func:`jaxdp._remat.gemm_policy`: GEMM and fused-attention
+    ``remat_policy="gemm"`` (:func:`jaxdp._src.zero3.remat.gemm_policy`: GEMM and fused-attention
     outputs, and the operands of batched dots, named by
-    :func:`jaxdp._dot_operands.name_batched_dot_operands`), so the backward pass gathers the
+    :func:`jaxdp._src.zero3.dot_operands.name_batched_dot_operands`), so the backward pass gathers
+    the
     params again and recomputes what stage 3 recomputes.
     """
     rep = NamedSharding(mesh, P())

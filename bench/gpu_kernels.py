@@ -15,7 +15,7 @@ variant compiles in a fresh process with XLA's ``--xla_dump_to`` and
 * ``compile s``: CPU seconds of ``lower(...).compile()`` (one process each; this machine's
   noise is 10-20% between processes, the kernel counts do not move).
 
-``--no-hold`` compiles the jaxdp steps without ``jaxdp._order.hold`` (where a donated step
+``--no-hold`` compiles the jaxdp steps without ``jaxdp._src.comm.order.hold`` (where a donated step
 keeps the old params allocated until the gradient norm: ``Strategy.holds_params``);
 ``--clip`` sets the jaxdp steps' ``DDPConfig.clip_grad``, with which stage 3 holds at dp > 1
 too.
@@ -103,9 +103,9 @@ def compile_one(
         cfg = DDPConfig(zero_stage=int(variant[-1]), param_dtype="bfloat16", clip_grad=clip)
         engine = DataParallel(loss_fn, optax.adamw(1e-4), cfg, mesh=mesh)
         if not hold:  # this process compiles one step: the step's hold made an identity
-            import jaxdp._engine
+            import jaxdp._src.engine.engine
 
-            jaxdp._engine.hold = lambda x, keep, until: x
+            jaxdp._src.engine.engine.hold = lambda x, keep, until: x
         aot.compile_step(engine, params, batch)
     return time.process_time() - t
 
@@ -178,7 +178,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--dp", type=int, default=1, help="compile-only H100s on the data axis")
     ap.add_argument("--variants", default="bare,stage0,stage1,stage3")
-    ap.add_argument("--no-hold", action="store_true", help="jaxdp steps without jaxdp._order.hold")
+    ap.add_argument(
+        "--no-hold", action="store_true", help="jaxdp steps without jaxdp._src.comm.order.hold"
+    )
     ap.add_argument("--both", action="store_true", help="each jaxdp step with and without hold")
     ap.add_argument("--clip", type=float, help="the jaxdp steps' DDPConfig.clip_grad")
     ap.add_argument("--one", help=argparse.SUPPRESS)

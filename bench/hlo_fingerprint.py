@@ -48,10 +48,21 @@ _METADATA = re.compile(r", metadata=\{[^{}]*\}")
 _LINE_SUFFIX = re.compile(r"\s+$", re.M)
 
 
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
 def strip(text: str) -> str:
     """The program without what a move of source files changes: metadata (op names, source
-    files and lines) and trailing blanks."""
-    return _LINE_SUFFIX.sub("", _METADATA.sub("", text))
+    files and lines), the module's tables of source locations, and trailing blanks."""
+    lines, in_table = [], False
+    for line in _LINE_SUFFIX.sub("", _METADATA.sub("", text)).split("\n"):
+        if line in _TABLES:
+            in_table = True
+        elif in_table and not line[:1].isdigit():
+            in_table = False
+        if not in_table:
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def _scan_mlp(width: int = 256, layers: int = 4, batch: int = 64) -> tuple[Any, Any, Any]:

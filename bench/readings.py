@@ -187,7 +187,7 @@ parameter, the sharded AdamW, the gathers) without a norm 3.88, the same with
 `optax.global_norm` 5.30, jaxdp stage 1 5.76.{_instruction_reading(res)}{_timer_reading(res)}
 
 The gradient norm on GPUs is summed over concatenations of 8 reduced gradients
-(`jaxdp._per_param.NORM_CHUNK`, since `39e3c00`; XLA:GPU fuses each concatenation into the
+(`jaxdp._src.comm.per_param.NORM_CHUNK`, since `39e3c00`; XLA:GPU fuses each concatenation into the
 reduction that reads it) instead of one reduction per parameter, which XLA joined to every
 update as a multi-output reduction fusion. Counted in instructions (8 compile-only H100s),
 stage 1 at 100 leaves 17.91 -> 15.70 billion and at 300 leaves 49.89 -> 43.76 (chunks of 4 /
@@ -198,7 +198,8 @@ seconds: faster at 100 leaves, slower at 1,000 and 2,000 (164.1 / 181.2 s agains
 
 Two changes of 2026-11-29, counted in instructions at 100 leaves (plain `jit`: 13.02 billion on
 8 compile-only H100s, 4.88 on XLA:CPU). The gradients' mean divisor `G x dp`, where it is a
-power of two, is carried by the loss (`jaxdp._loss_divisor`: the backward pass starts from the
+power of two, is carried by the loss (`jaxdp._src.strategy.loss_divisor`: the backward pass starts
+from the
 cotangent `1/d`, the same bits come out, and no multiply per parameter is left for the compiler
 to carry): stage 0 13.84 -> 13.32 (H100s) and 6.08 -> 5.92 (XLA:CPU), stage 1 15.70 -> 14.91 and
 7.28 -> 6.99; at stage 0 with a bf16 wire it also removes the pass that scaled each gradient
@@ -212,7 +213,7 @@ change; counted, it is 1.5-4% at 100 leaves, and at 1,000 leaves it removes a `s
 XLA forms the same combined all-gathers, and section 11's traffic and peaks are unchanged.
 
 A third change of 2026-11-29: jaxdp's engine modules (`jaxdp/_*.py`) are registered with JAX
-as frames of its own (`jaxdp._frames`, as flax registers its module machinery), so an
+as frames of its own (`jaxdp._src.platform.frames`, as flax registers its module machinery), so an
 operation's source location starts at the user's code instead of a chain of engine frames.
 XLA's importers had spent twice plain `jit`'s instructions on locations
 (`GenerateInstructionLocation`, 50 against 100 million at 100 leaves on XLA:CPU). Counted at
@@ -267,11 +268,12 @@ instead of Shardy (`JAX_USE_SHARDY_PARTITIONER=false`, both sides) plain `jit` 4
 5.12, but JAX is removing GSPMD, so a library cannot choose it. Counted again at 1,000 leaves,
 stage 1 is 95.76 (1.71x), as before.
 
-*Stage 0* all-reduces each parameter on its own (`jaxdp._per_param.AllReduceOps`): no bucket
+*Stage 0* all-reduces each parameter on its own (`jaxdp._src.comm.per_param.AllReduceOps`): no
+bucket
 to pack, and no slice of a bucket fused into every optimizer update. On XLA:CPU a loop fusion
 with a `slice` costs about 20 ms to emit against about 1 ms for an elementwise one (the
 bucketed step had 2,000 of them at 1,000 leaves, 3.9x plain `jit`). On GPUs the step compiles
-with XLA's `all-reduce-contiguous` pass off (`jaxdp._per_param.PASSES_OFF`, merged into
+with XLA's `all-reduce-contiguous` pass off (`jaxdp._src.comm.per_param.PASSES_OFF`, merged into
 whatever options the step is given), which copies the operands of every combined all-reduce
 into one buffer and back; no flag turns it off in jaxlib 0.10.2, but the per-program
 `xla_disable_hlo_passes` option does. Until `d9e9437` GPUs kept the buckets, and their
@@ -334,7 +336,7 @@ bucket-by-bucket ordering of the gathers +3.3 s (multi-output fusion +2.4 s), th
 the gathers in `shard_map`s of 100 parameters (38.5 / 34.6 s against 38.1 / 36.5 s, both
 unordered); the order moved onto the reduced gradients before the update, which made every
 update wait for the norm (+2.8 s; priority fusion +2.2 s); and the order's OR with a zero
-(`jaxdp._order.after`) replaced by a multiply by a one derived the same way: alone, 1,000
+(`jaxdp._src.comm.order.after`) replaced by a multiply by a one derived the same way: alone, 1,000
 arrays each doubled and ordered compiled in 0.83 s against 1.76 s with the OR (0.67 s
 unordered), but stage 1 at 1,000 leaves took 43.6 / 43.4 s against 42.3 / 42.5 s.
 
@@ -369,7 +371,7 @@ pieces (60 operands) and sliced its own part out: the custom VJP of the per-para
 returned the reduced gradient as the cotangent of one accumulator per bucket. XLA fused that
 concatenation into every consumer, so it cost no memory traffic, but no two updates were the
 same kernel. Now stage 3 keeps one accumulator per parameter where it gathers and
-reduce-scatters per parameter on a bf16 wire (`jaxdp._gather.reduces_per_parameter`), as
+reduce-scatters per parameter on a bf16 wire (`jaxdp._src.zero3.gather.reduces_per_parameter`), as
 stages 1-2 reduce into the optimizer's per-parameter shards: 12.5 s, 118 modules, multi-output
 fusion 0.43 s, with 35.21 gradient volumes of traffic and a 2.81 GiB peak (35.27 and 2.83
 before).
@@ -379,7 +381,7 @@ before).
 1,000 partition-offset slices 1.6 s, the working params' copies 0.75 s and the sharded
 optimizer zeros 1.3 s, measured apart), and 4.3 s for the 8 compile-only H100s, where plain
 `jit`'s `optimizer.init` compiles in 0.55 s (the H100 rows count neither: both sides' `init`
-is only traced there). Now (`jaxdp._state_build`) a model of 64 or more leaves
+is only traced there). Now (`jaxdp._src.engine.state_build`) a model of 64 or more leaves
 that repeat a few shapes (8 or more leaves per kind on average) gets one small jitted
 conversion per kind of leaf, called once per leaf, and one `jax.jit(optimizer.init)`: the same
 state bit for bit (`tests/test_state_build.py`), compiled for the H100s in 0.74 s instead of
@@ -400,7 +402,8 @@ At 100 leaves on XLA:CPU stage 1 had 659 fusions against plain `jit`'s 556 (meas
 the update folds the scale into its constants, but the gradient norm rebuilt each bucket from
 the scaled shards by a concatenation, which XLA:CPU does not fuse, so every scaled shard was
 written out first. Since `83c185b` the norm rebuilds each bucket as `fill(r * d) * (1/d)` for
-a power-of-two divisor `d` (`jaxdp._per_param`): the same bits, and XLA cancels the scale, so
+a power-of-two divisor `d` (`jaxdp._src.comm.per_param`): the same bits, and XLA cancels the scale,
+so
 the concatenation reads the reduce-scatters' outputs as they are (559 fusions; the norms and
 params are the bucketed path's bit for bit, `tests/test_engine_parity.py`). The compile time
 barely moved: XLA compile 1.79 s against 1.86 s at 100 leaves (means of 15 compiles, the two
@@ -432,7 +435,8 @@ XLA compile took 41.8 s and stage 1's 69.5 s, of it multi-output fusion 6.3 agai
 the SPMD partitioner with Shardy 2.9 against 9.8 s. Most of the multi-output fusion was the
 gradient norm, summed over each bucket rebuilt from its parameters' reduced shards (a
 concatenation of every gradient); summed parameter by parameter on GPUs
-(`jaxdp._per_param.nccl_collectives`) stage 1's XLA compile took 56.9 s, multi-output fusion
+(`jaxdp._src.comm.per_param.nccl_collectives`) stage 1's XLA compile took 56.9 s, multi-output
+fusion
 7.3 s, partitioner and Shardy 7.9 s (since `39e3c00` in concatenations of 8, above). XLA:CPU
 keeps the bucket sum: it compiles one reduction of a concatenation far faster than one per
 parameter (its fusion pass 1.3 s against 7.7 s at 1,000 leaves). At 100 leaves the rest of the
@@ -499,10 +503,11 @@ there.
 The optimizer probe in `init` (three optimizer steps on small probe tensors, to refuse
 optimizers that would change when sharded) does not run for this AdamW: a chain made only of
 optax's elementwise and norm-based transformations with plain settings is recognised from its
-parts (`jaxdp._optim_known`), and the "probe" column ({1e3 * big["stage1_probe"]:.1f} ms at
+parts (`jaxdp._src.optim.known`), and the "probe" column ({1e3 * big["stage1_probe"]:.1f} ms at
 {big["leaves"]} leaves) is that recognition. An optimizer it does not recognise (a callable
 mask, `multi_transform`, `inject_hyperparams`, one of your own) is probed as before: `init` and
-one step traced for the whole and the sharded tree and evaluated with NumPy (`jaxdp._host_eval`),
+one step traced for the whole and the sharded tree and evaluated with NumPy
+(`jaxdp._src.optim.host_eval`),
 compiling nothing, 3.3 s at 1,000 leaves in the last table that ran it for AdamW (nearly all of
 it jax tracing the two step programs). Op by op through jax it took 1.06 s at 10 leaves in a
 fresh process (every distinct op compiles once) and 4.3 s at 1,000. What we tried and dropped:
@@ -654,7 +659,8 @@ buckets' all-reduces (`ReduceAtEnd.order_metrics`, still there for the packed bu
 XLA's combiner merged the loss's `psum` into the partly filled last bucket's all-reduce and
 XLA:GPU copied both into one buffer and back (47.63, measured by hand at `80aa235`); the
 pre-scaling, done gradient by gradient in a bucket of more than 64 parameters
-(`jaxdp._reduce.Unpacked`: XLA:GPU fuses nothing into a concatenation of that many operands),
+(`jaxdp._src.comm.reduce.Unpacked`: XLA:GPU fuses nothing into a concatenation of that many
+operands),
 took a 100-leaf MLP of 128 x 128 layers in fp32 (one bucket) from 16.26 to 10.26 gradient
 volumes per step (plain `jit`: 11.26)."""
 
@@ -672,7 +678,8 @@ def _stage3_operands(rows: dict[str, Any]) -> str:
 Stage 3 and its sharded + remat peer use the same rule, stage 3's default `remat_policy="gemm"`:
 GEMM and fused-attention outputs, and the operands of batched dots (this model's XLA attention
 reads its queries, keys, softmax probabilities and values through them), which stage 3 names by
-evaluating the loss again (`jaxdp._dot_operands`; a policy sees only an equation's outputs).
+evaluating the loss again (`jaxdp._src.zero3.dot_operands`; a policy sees only an equation's
+outputs).
 Before they were kept (`38e725a`; this section's run before it) stage 3 read and wrote 43.42
 gradient volumes (its model part 42.48) at a 2.88 GiB peak, and the peer with jax's
 `dots_with_no_batch_dims_saveable` 43.90 at 2.61 GiB: the backward pass rebuilt every layer's

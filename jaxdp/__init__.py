@@ -3,49 +3,49 @@
 Bucketed gradient reduction, FP32 accumulation and ZeRO stages under ``jax.shard_map``.
 """
 
-from ._platform import prepare_jax as _prepare_jax
+from ._src.platform.platform import prepare_jax as _prepare_jax
 
 _prepare_jax()  # before anything imports jax: no CUDA noise on machines without a GPU
 
-from ._frames import exclude_engine_frames as _exclude_engine_frames
+from ._src.platform.frames import exclude_engine_frames as _exclude_engine_frames
 
 _exclude_engine_frames()  # operations' source locations start at the user's code
 
 from . import aot as aot
 from . import nn as nn
 from . import testing as testing
-from ._batching import microbatches as microbatches
-from ._checkpoint import CheckpointManager as CheckpointManager
-from ._checkpoint import CheckpointMismatchError as CheckpointMismatchError
-from ._config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
-from ._config import DDPConfig as DDPConfig
-from ._config import default_bucket_size as default_bucket_size
-from ._engine import DataParallel as DataParallel
-from ._engine import TrainState as TrainState
-from ._layout import Bucket as Bucket
-from ._layout import BucketLayout as BucketLayout
-from ._layout import Buffer as Buffer
-from ._layout import ParamSlot as ParamSlot
-from ._layout import path_str as path_str
-from ._loss import LossOutput as LossOutput
-from ._mesh import dp_size as dp_size
-from ._mesh import make_mesh as make_mesh
-from ._padding import bucket_end_divisor as bucket_end_divisor
-from ._padding import pad_bucket_end as pad_bucket_end
-from ._padding import pad_param_start as pad_param_start
-from ._padding import pad_to_divisor as pad_to_divisor
-from ._reduce import all_to_all_fp32_reduce_scatter as all_to_all_fp32_reduce_scatter
-from ._reduce import reduce_buckets as reduce_buckets
-from ._reduce import reduce_gradients as reduce_gradients
-from ._reduce import ring_reduce_scatter as ring_reduce_scatter
-from ._scan_gather import find_scanned_axes as find_scanned_axes
-from ._scan_gather import find_scanned_leaves as find_scanned_leaves
-from ._scan_gather import gather_in_scans as gather_in_scans
-from ._scan_gather import stacked_by_path as stacked_by_path
-from ._xla_flags import apply_xla_flags as apply_xla_flags
-from ._xla_flags import combine_thresholds as combine_thresholds
-from ._xla_flags import xla_compiler_options as xla_compiler_options
-from ._xla_flags import xla_flags as xla_flags
+from ._src.comm.reduce import all_to_all_fp32_reduce_scatter as all_to_all_fp32_reduce_scatter
+from ._src.comm.reduce import reduce_buckets as reduce_buckets
+from ._src.comm.reduce import reduce_gradients as reduce_gradients
+from ._src.comm.reduce import ring_reduce_scatter as ring_reduce_scatter
+from ._src.config.config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
+from ._src.config.config import DDPConfig as DDPConfig
+from ._src.config.config import default_bucket_size as default_bucket_size
+from ._src.core.batching import microbatches as microbatches
+from ._src.core.loss import LossOutput as LossOutput
+from ._src.engine.checkpoint import CheckpointManager as CheckpointManager
+from ._src.engine.checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from ._src.engine.engine import DataParallel as DataParallel
+from ._src.engine.engine import TrainState as TrainState
+from ._src.layout.layout import Bucket as Bucket
+from ._src.layout.layout import BucketLayout as BucketLayout
+from ._src.layout.layout import Buffer as Buffer
+from ._src.layout.layout import ParamSlot as ParamSlot
+from ._src.layout.layout import path_str as path_str
+from ._src.layout.padding import bucket_end_divisor as bucket_end_divisor
+from ._src.layout.padding import pad_bucket_end as pad_bucket_end
+from ._src.layout.padding import pad_param_start as pad_param_start
+from ._src.layout.padding import pad_to_divisor as pad_to_divisor
+from ._src.platform.xla_flags import apply_xla_flags as apply_xla_flags
+from ._src.platform.xla_flags import combine_thresholds as combine_thresholds
+from ._src.platform.xla_flags import xla_compiler_options as xla_compiler_options
+from ._src.platform.xla_flags import xla_flags as xla_flags
+from ._src.topology.mesh import dp_size as dp_size
+from ._src.topology.mesh import make_mesh as make_mesh
+from ._src.zero3.scan_gather import find_scanned_axes as find_scanned_axes
+from ._src.zero3.scan_gather import find_scanned_leaves as find_scanned_leaves
+from ._src.zero3.scan_gather import gather_in_scans as gather_in_scans
+from ._src.zero3.scan_gather import stacked_by_path as stacked_by_path
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,8 @@ from jaxdp.aot._hlo import _computations, _Instr
 def written_concatenations(text: str) -> list[_Instr]:
     """The ``concatenate`` instructions of a compiled program that write their result: every one
     but those inside a fused computation whose result (its last instruction) is a reduction
-    (the gradient norm's sums over a few gradients at a time, jaxdp._nested.square_sums: XLA
+    (the gradient norm's sums over a few gradients at a time, jaxdp._src.comm.nested.square_sums:
+    XLA
     fuses the concatenation into the reduction that reads it, which writes a scalar or a row of
     partial sums)."""
     out = []

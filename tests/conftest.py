@@ -51,7 +51,7 @@ collect_ignore = ["mp", "_models.py", "_fp32_property.py", "_gpt_nn.py", "_trans
 @pytest.fixture(scope="session")
 def h100():
     """8 compile-only H100 devices as a 1-D ``data`` mesh, or a skip without the gpu-aot extra."""
-    from jaxdp._platform import cuda_plugin_available
+    from jaxdp._src.platform.platform import cuda_plugin_available
 
     if not cuda_plugin_available():
         pytest.skip("needs the gpu-aot extra: pip install 'jaxdp[gpu-aot]'")

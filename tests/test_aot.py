@@ -301,7 +301,7 @@ def test_one_rank_packs_and_orders_nothing(mesh, stage):
     program); what differs with more than one rank is the norm's sum (``ops.nccl``). With one
     rank, buckets and ordering only added copies for XLA to compile (one compile-only H100,
     12-layer GPT, lower + compile: stage 0 16.9 s -> 14.6 s, medians of four rounds)."""
-    from jaxdp._per_param import PASSES_OFF, AllReduceOps, PerParamOps
+    from jaxdp._src.comm.per_param import PASSES_OFF, AllReduceOps, PerParamOps
     from jaxdp.aot import h100_mesh
 
     loss_fn, params, batch = example_mlp(LAYERS, WIDTH, batch=64)
@@ -332,7 +332,7 @@ def test_one_rank_packs_and_orders_nothing(mesh, stage):
 )
 def test_one_rank_writes_master_and_params_without_a_copy(extra):
     """With one rank and params in the master's dtype, the updated master is the working
-    param's value too; the step returns it through ``jaxdp._order.after`` so that the
+    param's value too; the step returns it through ``jaxdp._src.comm.order.after`` so that the
     update's fusion writes both outputs, and the entry computation has no copy kernel
     (64-layer MLP before the change: 128 copies at stages 1-3, one per leaf)."""
     from jaxdp.aot import h100_mesh
@@ -368,7 +368,7 @@ def test_stage0_all_reduces_without_a_gradient_copy(mesh, extra, options):
     names other passes): XLA combines the all-reduces into groups of separate buffers, and
     nothing packs the gradients into a bucket, slices them out of one, or copies them into a
     combined all-reduce's buffer (the pass's rewrite). 100 parameters, one bucket's worth."""
-    from jaxdp._per_param import AllReduceOps
+    from jaxdp._src.comm.per_param import AllReduceOps
 
     loss_fn, params, batch = example_mlp(50, 64, batch=64)
     cfg = DDPConfig(zero_stage=0, **extra)
@@ -394,16 +394,16 @@ def test_stage0_all_reduces_without_a_gradient_copy(mesh, extra, options):
 )
 def test_stage0_bucket_is_written_once(mesh, monkeypatch, extra, wire):
     """Stage 0's packed buckets (the path before per-parameter all-reduces, forced here;
-    ``jaxdp._per_param.per_parameter_all_reduce``): a bucket of 100 parameters (one bucket:
+    ``jaxdp._src.comm.per_param.per_parameter_all_reduce``): a bucket of 100 parameters (one bucket:
     the default bucket size) is written once, by the pack, on its way to its all-reduce:
 
     * the 1/dp pre-scaling is done gradient by gradient before the pack
-      (``jaxdp._reduce.Unpacked``): XLA:GPU fuses nothing into a concatenation of that many
+      (``jaxdp._src.comm.reduce.Unpacked``): XLA:GPU fuses nothing into a concatenation of that many
       operands, and scaled afterwards the bucket was read and written once more;
     * the loss's ``psum`` waits for the bucket's all-reduce (``ReduceAtEnd.order_metrics``),
       so XLA does not combine the two, which XLA:GPU does by copying both into one buffer and
       the sum back out (``bucket + 1`` elements on the wire)."""
-    import jaxdp._plan as plan_module
+    import jaxdp._src.strategy.plan as plan_module
 
     monkeypatch.setattr(plan_module, "per_parameter_all_reduce", lambda *a: False)
     loss_fn, params, batch = example_mlp(50, 64, batch=64)

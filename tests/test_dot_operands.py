@@ -30,8 +30,8 @@ from test_remat_policy import exact_step, stage3_engine
 
 import jaxdp
 from jaxdp import DataParallel, DDPConfig, _dot_operands
-from jaxdp._dot_operands import name_batched_dot_operands
-from jaxdp._remat import DOT_OPERAND, GATHERED, gemm_policy, remat_policy_for
+from jaxdp._src.zero3.dot_operands import name_batched_dot_operands
+from jaxdp._src.zero3.remat import DOT_OPERAND, GATHERED, gemm_policy, remat_policy_for
 
 
 def _eqns(jaxpr):

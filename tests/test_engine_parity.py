@@ -207,10 +207,11 @@ def test_explicit_mesh_and_unsharded_batches(data, stage):
 
 
 def per_param_and_bucketed(monkeypatch, switch, mesh, cfg, opt, params, batches):
-    """Train the per-parameter path, then the packed buckets with ``jaxdp._plan.<switch>``
+    """Train the per-parameter path, then the packed buckets with
+    ``jaxdp._src.strategy.plan.<switch>``
     forced off, and check that both ran and that their params are the same bit for bit.
     Returns ``(bucketed engine, its state, per-parameter norms, bucketed norms)``."""
-    import jaxdp._plan as plan_module
+    import jaxdp._src.strategy.plan as plan_module
 
     per_param, s_pp, n_pp = train_on(mesh, cfg, opt, params, batches)
     monkeypatch.setattr(plan_module, switch, lambda *a: False)
@@ -231,7 +232,8 @@ def per_param_and_bucketed(monkeypatch, switch, mesh, cfg, opt, params, batches)
 )
 @pytest.mark.parametrize("dp_size", [8, 6])
 def test_stage0_bucketed_path_matches_per_parameter(data, monkeypatch, g, extra, dp_size):
-    """Stage 0 all-reduces each parameter (jaxdp._per_param.per_parameter_all_reduce; on GPUs
+    """Stage 0 all-reduces each parameter (jaxdp._src.comm.per_param.per_parameter_all_reduce; on
+    GPUs
     with XLA's all-reduce-contiguous off), where it used to pack buckets. The packed buckets
     run here too, forced: the same elementwise sums, so the same params bit for bit, and both
     held to the reference."""
@@ -272,13 +274,14 @@ def test_stage0_unpacked_buckets_match_packed(data, monkeypatch, g, extra, dp_si
     """Stage 0's packed buckets (forced here; the all_to_all modes keep them) take the
     collective's elementwise work (the cast to the wire dtype, the pre-scaling) gradient by
     gradient before packing where a bucket holds more
-    than ``jaxdp._reduce.UNPACKED_OVER`` parameters (``jaxdp._reduce.Unpacked``). Forced for
+    than ``jaxdp._src.comm.reduce.UNPACKED_OVER`` parameters (``jaxdp._src.comm.reduce.Unpacked``).
+    Forced for
     every bucket here: the same params and norms bit for bit as packing first, in every wire
     mode, and held to the reference."""
-    import jaxdp._nested as nested
-    import jaxdp._plan as plan_module
+    import jaxdp._src.comm.nested as nested
+    import jaxdp._src.strategy.plan as plan_module
     from jaxdp import make_mesh
-    from jaxdp._reduce import Unpacked
+    from jaxdp._src.comm.reduce import Unpacked
 
     params, batches = data
     opt = optax.adamw(1e-2, weight_decay=0.1)
@@ -342,7 +345,7 @@ def test_stage0_unpacked_buckets_match_packed(data, monkeypatch, g, extra, dp_si
 )
 def test_stage12_bucketed_path_matches_per_parameter(data, monkeypatch, stage, g, extra, dp_size):
     """Stages 1-2 reduce-scatter and gather each parameter on its own
-    (jaxdp._per_param.per_parameter_collectives), and on XLA:CPU sum the gradient norm over
+    (jaxdp._src.comm.per_param.per_parameter_collectives), and on XLA:CPU sum the gradient norm over
     each bucket rebuilt from the reduced parameters, unscaled where the divisor is a power of
     two (PerParamOps._bucket). Against the packed buckets, over one step with clipping
     active (the norm enters the update): the same norm and the same params bit for bit.
@@ -365,10 +368,11 @@ def test_stage12_bucketed_path_matches_per_parameter(data, monkeypatch, stage, g
 
 @pytest.mark.parametrize("chunk", [1, 3, 8])
 def test_square_sums_over_chunks_of_one_dtype(chunk):
-    """jaxdp._nested.square_sums, the GPU norm's partial sums: one per run of up to ``chunk``
+    """jaxdp._src.comm.nested.square_sums, the GPU norm's partial sums: one per run of up to
+    ``chunk``
     consecutive arrays of one dtype (a change of dtype starts a new one), each in that dtype
     and equal to the sum of its arrays' squares."""
-    from jaxdp._nested import square_sums
+    from jaxdp._src.comm.nested import square_sums
     from jaxdp.testing import tolerance
 
     rng = np.random.default_rng(0)
@@ -392,11 +396,12 @@ def test_square_sums_over_chunks_of_one_dtype(chunk):
 def test_norm_summed_in_chunks_as_on_gpus(data, monkeypatch, stage, dp_size, clip):
     """On GPUs with more than one rank the per-parameter paths (stage 0 here on XLA:CPU,
     stages 1-2 with the interleaved layout) sum the gradient norm over concatenations of a few
-    parameters (jaxdp._per_param.NORM_CHUNK), on XLA:CPU over each bucket rebuilt from its
-    parameters (jaxdp._per_param.nccl_collectives). The GPU's program runs here too, forced:
+    parameters (jaxdp._src.comm.per_param.NORM_CHUNK), on XLA:CPU over each bucket rebuilt from its
+    parameters (jaxdp._src.comm.per_param.nccl_collectives). The GPU's program runs here too,
+    forced:
     the same norm up to the order of its fp32 additions, the same params bit for bit where the
     norm does not enter the update, and both held to the reference where it does (clipping)."""
-    import jaxdp._per_param as per_param
+    import jaxdp._src.comm.per_param as per_param
     from jaxdp import make_mesh
     from jaxdp.testing import tolerance
 
@@ -438,7 +443,7 @@ def test_norm_summed_in_chunks_as_on_gpus(data, monkeypatch, stage, dp_size, cli
 )
 def test_gpu_programs_match_the_cpu_ones(data, monkeypatch, stage, g, extra, dp_size):
     """The plan reads the mesh's platform (ReductionGroup.platform) once, in
-    jaxdp._per_param.nccl_collectives: at stages 1-2 it decides how the norm is summed
+    jaxdp._src.comm.per_param.nccl_collectives: at stages 1-2 it decides how the norm is summed
     (a few parameters at a time on GPUs, over rebuilt buckets on XLA:CPU). Run the GPU's
     programs here, with the platform forced: the norm enters no update (no clipping), so the
     params are the same bit for bit."""
@@ -485,7 +490,7 @@ def test_one_rank_microbatches_match_reference(data, stage, g):
     assert max_rel_err(dp.params(state), ref) < 1e-6
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     # Stages 1-3 keep an fp32 master beside the fp32 working params (returned apart, through
-    # jaxdp._order.after, at one rank): the same bits.
+    # jaxdp._src.comm.order.after, at one rank): the same bits.
     work, master, _ = dp.plan.strategy.to_canonical(state)
     assert (master is None) == (stage == 0)
     assert dp.plan.strategy.master_apart == (stage > 0)

@@ -66,12 +66,13 @@ def test_one_collective_per_bucket(stage, g, depth):
     counts = lowered_counts(dp, state, batch)
     if stage == 0:
         # one all-reduce per parameter (XLA's combiner groups them into buckets:
-        # jaxdp._per_param.AllReduceOps) + the loss mean; the norm of replicated grads is local
+        # jaxdp._src.comm.per_param.AllReduceOps) + the loss mean; the norm of replicated grads is
+        # local
         assert dp.plan.strategy.reduces_per_parameter
         assert counts == dict.fromkeys(OPS, 0) | {"all_reduce": len(dp.layout.slots) + 1}
     else:
         # Stages 1-2 reduce-scatter and gather each parameter on its own (XLA's combiners
-        # group them into buckets on GPUs: jaxdp._per_param): a count fixed by the leaves,
+        # group them into buckets on GPUs: jaxdp._src.comm.per_param): a count fixed by the leaves,
         # not the depth. Stage 2 with G > 1 reduce-scatters every micro-batch, all of them in
         # the scan body (none peeled out: Kernel.peel_last), so once in the program text.
         # The gathers after the update are the partitioner's on this 1-D mesh
@@ -156,7 +157,7 @@ def test_accumulator_dtype_survives_the_scan(dtype, short):
     carried = set(re.findall(r"tensor<([\dx]+)x(\w+)>", header))
     for leaf in jax.tree.leaves(mlp_params()):
         # One accumulator per parameter, of its shape, carried through the scan in
-        # main_grads_dtype (jaxdp._kernels.ReduceAtEndPerParam).
+        # main_grads_dtype (jaxdp._src.strategy.kernels.ReduceAtEndPerParam).
         dims = "x".join(map(str, leaf.shape))
         assert (dims, short) in carried, (dims, carried)
 
@@ -263,7 +264,7 @@ def test_init_traces_the_state_once(stage, monkeypatch):
     2-core CPU). The state carries exactly the shardings ``state_shardings`` reports, and the
     abstract state its shapes. (Putting a sharding constraint on every leaf inside the traced
     function instead of ``out_shardings`` cost more in tracing and in XLA than it saved.)"""
-    import jaxdp._strategy as strategy_module
+    import jaxdp._src.strategy.strategy as strategy_module
 
     calls = []
     init_state = strategy_module.Strategy.init_state
@@ -332,7 +333,7 @@ def test_a_donated_step_holds_the_params_until_the_norm(stage, n, clip, overlap,
     the update wait for the norm anyway, with the params sharded, so that holding them costs
     little memory), a donated step passes the optimizer's target through one
     ``optimization_barrier`` with the old params and the gradient norm
-    (:func:`jaxdp._order.hold`), so that XLA leaves their buffers alone until the backward
+    (:func:`jaxdp._src.comm.order.hold`), so that XLA leaves their buffers alone until the backward
     pass ends. The barrier is an identity: the step is the same bit for bit as an engine's
     that does not donate (and so does not hold), at dp 3 and 6 too (padded shards), and with
     micro-batches."""

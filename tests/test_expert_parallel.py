@@ -136,7 +136,8 @@ def test_expert_buffers_reduce_over_the_expert_dp_group_only(setup, by):
         key = key or ("expert_axis" if groups == expert_ax else str(groups))
         by_group.setdefault(key, []).append(op)
     # One all-reduce per expert parameter (XLA combines them into buckets:
-    # jaxdp._per_param.AllReduceOps) over the expert-DP group (size 2) and nothing else there.
+    # jaxdp._src.comm.per_param.AllReduceOps) over the expert-DP group (size 2) and nothing else
+    # there.
     assert dp.plan.strategy.reduces_per_parameter
     n_expert, n_dense = (sum(len(b.slots) for b in bs) for bs in (expert, dense))
     assert by_group["expert_dp"] == ["all_reduce"] * n_expert

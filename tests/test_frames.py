@@ -12,7 +12,7 @@ from jax._src import source_info_util as siu  # is_user_filename: not in jax.ext
 
 import jaxdp
 from jaxdp import DataParallel, DDPConfig, make_mesh
-from jaxdp._frames import ENV, engine_prefix, exclude_engine_frames
+from jaxdp._src.platform.frames import ENV, engine_prefix, exclude_engine_frames
 
 
 def _files(text):
@@ -30,12 +30,12 @@ def _set_exclusions(paths):
 
 
 def test_engine_frames_are_not_user_frames_but_model_code_is():
-    import jaxdp._engine
+    import jaxdp._src.engine.engine
     import jaxdp.models
     import jaxdp.nn
 
     assert engine_prefix().endswith(os.path.join("jaxdp", "_"))
-    assert not siu.is_user_filename(jaxdp._engine.__file__)
+    assert not siu.is_user_filename(jaxdp._src.engine.engine.__file__)
     assert not siu.is_user_filename(jaxdp.__file__)
     # the model code jaxdp ships keeps its frames, as flax.linen's layers do
     assert siu.is_user_filename(jaxdp.models.__file__)
@@ -62,9 +62,9 @@ def test_the_environment_keeps_the_engine_frames():
     assert exclude_engine_frames({ENV: "1"}) is False
     assert exclude_engine_frames({ENV: "yes"}) is False
     code = (
-        "import jaxdp, jaxdp._engine\n"
+        "import jaxdp, jaxdp._src.engine.engine\n"
         "from jax._src import source_info_util as s\n"
-        "print(s.is_user_filename(jaxdp._engine.__file__))"
+        "print(s.is_user_filename(jaxdp._src.engine.engine.__file__))"
     )
     for value, expected in (("1", "True"), ("0", "False")):
         env = {**os.environ, ENV: value, "JAX_PLATFORMS": "cpu"}

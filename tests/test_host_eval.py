@@ -1,4 +1,5 @@
-"""``jaxdp._host_eval``: a jaxpr evaluated with NumPy gives what jax gives (to a few units of
+"""``jaxdp._src.optim.host_eval``: a jaxpr evaluated with NumPy gives what jax gives (to a few
+units of
 roundoff), in jax's dtypes, for every primitive it runs itself and for the ones it hands back to
 jax; and the optimizer probe built on it compiles nothing."""
 
@@ -10,10 +11,10 @@ import pytest
 from _models import counting_compiles
 from jax import lax
 
-from jaxdp._config import DDPConfig
-from jaxdp._host_eval import evaluate
-from jaxdp._layout import BucketLayout
-from jaxdp._optim_check import _numeric_check, _steps, check_optimizer
+from jaxdp._src.config.config import DDPConfig
+from jaxdp._src.layout.layout import BucketLayout
+from jaxdp._src.optim.check import _numeric_check, _steps, check_optimizer
+from jaxdp._src.optim.host_eval import evaluate
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((5, 7)).astype(np.float32)

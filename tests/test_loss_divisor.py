@@ -1,4 +1,5 @@
-"""The gradient mean's divisor carried by the loss (jaxdp._loss_divisor): where it applies, and
+"""The gradient mean's divisor carried by the loss (jaxdp._src.strategy.loss_divisor): where it
+applies, and
 that the step's results are the same bits as dividing after the collective."""
 
 import jax
@@ -8,10 +9,10 @@ import optax
 import pytest
 
 import jaxdp
-import jaxdp._plan as plan_module
+import jaxdp._src.strategy.plan as plan_module
 from jaxdp import BucketLayout, DDPConfig
-from jaxdp._group import BucketGroup
-from jaxdp._loss_divisor import loss_divisor, value_and_divided_grad
+from jaxdp._src.strategy.loss_divisor import loss_divisor, value_and_divided_grad
+from jaxdp._src.topology.group import BucketGroup
 
 W = 24
 

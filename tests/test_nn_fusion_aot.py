@@ -111,7 +111,7 @@ def test_fused_wgrad_gemm_writes_f32_into_accumulator(mesh, stage):
     # two layers, in the scanned micro-batches and (stages 0-1, which reduce after the loop)
     # in the peeled last one
     assert len(gemms) == (4 if stage < 2 else 2), [g[3][:120] for g in gemms]
-    # Stages 0-1 accumulate per parameter (jaxdp._kernels.ReduceAtEndPerParam /
+    # Stages 0-1 accumulate per parameter (jaxdp._src.strategy.kernels.ReduceAtEndPerParam /
     # ScatterAtEndPerParam): in the scanned micro-batches the accumulation is the GEMM
     # fusion's own epilogue (acc + dot, the f32 accumulator an input of the fusion); the last
     # micro-batch's add goes into the bucket pack, and stage 2 reduce-scatters every
@@ -149,7 +149,7 @@ def _loop_bodies(text):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_fused_loop_carries_no_fp32_copy_of_the_kernels(mesh, stage):
     """The fused kernels are lifted to fp32 in each micro-batch's own body, where XLA cancels
-    the upcast against the layer's cast back (``jaxdp.nn._fusion.fused_function``). Lifted
+    the upcast against the layer's cast back (``jaxdp._src.core.fusion.fused_function``). Lifted
     once ahead of the loop, the loop carried an fp32 copy of every kernel and cast it back to
     bf16 each micro-batch: on an H200 (8 x 4096² ``Dense``, G = 8) 1.4-1.7 ms a step, and the
     fused step ran 0.992x-0.997x of the unfused one instead of 1.02x-1.09x."""
@@ -187,7 +187,7 @@ L = 3
 def test_scanned_stacks_are_lifted_once_ahead_of_the_loop(mesh):
     """A layer in an ``nn.scan`` reads a slice of its stacked kernel, and its cast back to bf16
     sits in the model's own loop, where XLA cannot cancel it against the upcast: the stacks are
-    lifted once, ahead of the micro-batch loop (``jaxdp.nn._fusion.Lift.ahead``). Lifted in
+    lifted once, ahead of the micro-batch loop (``jaxdp._src.core.fusion.Lift.ahead``). Lifted in
     each micro-batch's body instead, they cost an fp32 copy a micro-batch (compiled for 8 H100s,
     an 8-layer scanned GPT of width 512, G = 4: peak 1.34 -> 1.44 GiB)."""
     model = ScannedMLP()

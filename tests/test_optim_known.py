@@ -1,4 +1,4 @@
-"""Optimizers recognised as elementwise without the numeric probe (``jaxdp._optim_known``).
+"""Optimizers recognised as elementwise without the numeric probe (``jaxdp._src.optim.known``).
 
 Recognition must never accept what the probe would refuse: every optimizer it knows is also
 run through the probe here, on layouts that need padding (dp 3 and 8, a scalar and a 3-D
@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-import jaxdp._optim_check as optim_check
+import jaxdp._src.optim.check as optim_check
 from jaxdp import DDPConfig
-from jaxdp._layout import BucketLayout
-from jaxdp._optim_known import known_elementwise
+from jaxdp._src.layout.layout import BucketLayout
+from jaxdp._src.optim.known import known_elementwise
 
 PARAMS = {
     "dense": {"w": jnp.ones((5, 7)), "b": jnp.ones((7,))},

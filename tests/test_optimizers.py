@@ -91,7 +91,7 @@ def test_probe_under_eval_shape_and_reinit(monkeypatch):
     with pytest.raises(ValueError, match=r"updates parameter .*layer0"):
         jax.eval_shape(dp.init, PARAMS)
 
-    import jaxdp._optim_check as optim_check
+    import jaxdp._src.optim.check as optim_check
 
     calls = []
     probe = optim_check._numeric_check

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxdp._platform import cuda_plugin_available, gpu_driver_present
+from jaxdp._src.platform.platform import cuda_plugin_available, gpu_driver_present
 
 needs_plugin_without_gpu = pytest.mark.skipif(
     not cuda_plugin_available() or gpu_driver_present(),
@@ -53,7 +53,7 @@ def test_real_plugin_errors_are_still_shown():
 
 
 def test_held_stderr_drops_only_the_known_lines(capfd):
-    from jaxdp._platform import _NO_GPU_NOISE, _stderr_filtered
+    from jaxdp._src.platform.platform import _NO_GPU_NOISE, _stderr_filtered
 
     noise = (
         "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"

@@ -31,8 +31,8 @@ from test_zero3_aot import stage3_collectives
 
 import jaxdp
 from jaxdp import DataParallel, DDPConfig, aot
-from jaxdp._config import REMAT_POLICIES
-from jaxdp._remat import (
+from jaxdp._src.config.config import REMAT_POLICIES
+from jaxdp._src.zero3.remat import (
     _LAYOUT_PRIMITIVES,
     DOT_OPERAND,
     GATHERED,
@@ -138,7 +138,7 @@ def test_policies_save_what_they_document():
     }
     # the layer inputs of gathered scans: kept unless everything is recomputed (else the
     # backward pass would run the forward loop again, gathers included)
-    # and the operands of batched dots stage 3 names (jaxdp._dot_operands)
+    # and the operands of batched dots stage 3 names (jaxdp._src.zero3.dot_operands)
     for name in (SCAN_CARRY, DOT_OPERAND):
         eqn = jax.make_jaxpr(lambda h, n=name: checkpoint_name(h, n))(args[1]).jaxpr.eqns[0]
         for p in REMAT_POLICIES:

@@ -1,4 +1,5 @@
-"""jaxdp._scan_gather: inference of scanned stacks, per-layer gather parity, and its HLO shape."""
+"""jaxdp._src.zero3.scan_gather: inference of scanned stacks, per-layer gather parity, and its HLO
+shape."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._scan_gather import (
+from jaxdp._src.zero3.scan_gather import (
     find_scanned_axes,
     find_scanned_leaves,
     gather_in_scans,

@@ -1,4 +1,5 @@
-"""jaxdp._scan_gather compiled for 8 compile-only H100s: the per-layer gathers stay in the loops.
+"""jaxdp._src.zero3.scan_gather compiled for 8 compile-only H100s: the per-layer gathers stay in
+the loops.
 
 Skips without the ``gpu-aot`` extra. The same structural checks as the CPU test, on the scheduled
 GPU program, where the collectives are asynchronous ``*-start``/``*-done`` pairs.

@@ -1,4 +1,5 @@
-"""``init`` built from one small program per kind of leaf (``jaxdp._state_build``): the same
+"""``init`` built from one small program per kind of leaf (``jaxdp._src.engine.state_build``): the
+same
 state as the one-program path, bit for bit and sharding for sharding, and chosen only where
 it compiles less."""
 
@@ -9,8 +10,8 @@ import optax
 import pytest
 from _models import counting_compiles
 
-import jaxdp._engine as engine_module
-import jaxdp._state_build as state_build
+import jaxdp._src.engine.engine as engine_module
+import jaxdp._src.engine.state_build as state_build
 from jaxdp import DataParallel, DDPConfig, make_mesh
 
 

@@ -15,7 +15,7 @@ from _models import make_batch, mlp_params, mse_loss, scan_mlp_loss, scan_mlp_pa
 from _tp_models import place, tp_batch, tp_loss, tp_params
 
 from jaxdp import DataParallel, DDPConfig
-from jaxdp._strategy import Replicated, ShardedOpt, ShardedParams
+from jaxdp._src.strategy.strategy import Replicated, ShardedOpt, ShardedParams
 
 
 def _tp_mesh():
@@ -119,7 +119,7 @@ def test_strategy_contract(cls, cfg, model):
 
 
 def test_unsupported_combinations_are_one_table():
-    from jaxdp._plan import UNSUPPORTED, check_supported
+    from jaxdp._src.strategy.plan import UNSUPPORTED, check_supported
 
     assert len(UNSUPPORTED) == 2
     with pytest.raises(NotImplementedError, match="expert_axis='expert' with zero_stage=3"):
@@ -127,7 +127,7 @@ def test_unsupported_combinations_are_one_table():
 
 
 def _owner_by_scan(key_paths, shapes, path, shape):
-    """The definition :class:`jaxdp._codec.Owners` indexes: the first parameter whose key
+    """The definition :class:`jaxdp._src.forms.codec.Owners` indexes: the first parameter whose key
     path ends the leaf's and whose shape is the leaf's."""
     for i, (kp, want) in enumerate(zip(key_paths, shapes, strict=True)):
         if kp and tuple(path)[-len(kp) :] == tuple(kp) and tuple(shape) == tuple(want):
@@ -151,7 +151,7 @@ def test_owners_index_matches_the_scan(opt):
     """Optimizer-state leaves find their parameter by key-path suffix and shape through an
     index built once; it must pick what a scan over every parameter picks, with repeated leaf
     names ("w", "b" under two parents), equal shapes, a scalar and a top-level leaf."""
-    from jaxdp._codec import Owners
+    from jaxdp._src.forms.codec import Owners
 
     params = {
         "enc": {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))},

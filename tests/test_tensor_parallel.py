@@ -130,7 +130,7 @@ def test_bytes_per_device_are_one_over_model(stage, shape):
     s2 = dp2.init(place(tp_params(), dp2.mesh))
     dp1, _ = engine(jaxdp.make_mesh(jax.devices()[:data]), **cfg)
     s1 = dp1.init(tp_params())
-    split = [len(jaxdp._sharding.spec_axes(s)) > 0 for s in jax.tree.leaves(SPECS)]
+    split = [len(jaxdp._src.topology.sharding.spec_axes(s)) > 0 for s in jax.tree.leaves(SPECS)]
     for part in ("params", "master", "opt_state"):
         b2, b1 = _state_bytes(getattr(s2, part)), _state_bytes(getattr(s1, part))
         flags = split
@@ -236,7 +236,7 @@ def test_blocks_follow_device_order_on_a_3d_mesh():
     x = jnp.arange(8 * 12, dtype=jnp.float32).reshape(8, 12)
     for spec in (P("b", "a"), P(("a", "b"), None), P(None, ("b", "a"))):
         arr = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-        plan = jaxdp._sharding.ShardingPlan.from_params({"x": arr}, mesh, "data")
+        plan = jaxdp._src.topology.sharding.ShardingPlan.from_params({"x": arr}, mesh, "data")
         ls = plan.leaves[0]
         blocks = plan.to_blocks(x, ls)
         coords = {

@@ -12,7 +12,7 @@ SCRIPT = r"""
 import json
 import jax
 import optax
-import jaxdp._plan as plan
+import jaxdp._src.strategy.plan as plan
 from _models import make_batch, max_rel_err, mlp_params, mse_loss, reference_train, train_steps
 from jaxdp import DataParallel, DDPConfig, make_mesh
 
@@ -26,7 +26,7 @@ runs = [(stage, 2, False) for stage in (0, 1, 2, 3)] + [(0, 1, True)]
 for stage, g, bucketed in runs:
     if bucketed:  # stage 0's packed buckets (forced), every one scaled gradient by gradient
         plan.per_parameter_all_reduce = lambda *a: False
-        import jaxdp._nested as nested
+        import jaxdp._src.comm.nested as nested
         nested.UNPACKED_OVER = 0
     cfg = DDPConfig(zero_stage=stage, num_microbatches=g, bucket_size=64)
     dp = DataParallel(mse_loss, opt, cfg, mesh=make_mesh())

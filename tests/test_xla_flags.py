@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdp import BucketLayout, DDPConfig
-from jaxdp._xla_flags import (
+from jaxdp._src.platform.xla_flags import (
     FLAG_TABLE,
     NEWEST_CHECKED,
     apply_xla_flags,
@@ -59,7 +59,7 @@ def test_the_flags_jaxdp_emits_start_a_backend():
     code = f"""
         import os
         from jaxdp import DDPConfig
-        from jaxdp._xla_flags import apply_xla_flags
+        from jaxdp._src.platform.xla_flags import apply_xla_flags
         added = apply_xla_flags(DDPConfig(**{CFG.to_dict()!r}), dp_size=8)
         import jax
         jax.devices()
@@ -169,7 +169,7 @@ def test_engine_compiler_options_resolve(monkeypatch):
 
 
 def test_passes_off_are_merged_not_replaced(monkeypatch):
-    """The XLA passes a step needs off (stage 0 on GPUs: jaxdp._per_param.PASSES_OFF) are
+    """The XLA passes a step needs off (stage 0 on GPUs: jaxdp._src.comm.per_param.PASSES_OFF) are
     added to those the given options, or else XLA_FLAGS, already turn off: a per-program
     ``xla_disable_hlo_passes`` replaces the flag's whole list."""
     off = ("all-reduce-contiguous",)
@@ -188,7 +188,7 @@ def test_passes_off_are_merged_not_replaced(monkeypatch):
 def test_untabled_jaxlib_options_are_asked_of_its_xla(monkeypatch):
     """On a jaxlib newer than the flag table, "jaxdp" keeps only the options that release's
     XLA compiles with, dropping the others with a warning instead of failing the step."""
-    import jaxdp._xla_flags as xf
+    import jaxdp._src.platform.xla_flags as xf
 
     cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000)
     newer = (NEWEST_CHECKED[0], NEWEST_CHECKED[1] + 7, 0)
@@ -380,7 +380,7 @@ def test_flags_seen_accepted_by_a_newer_jaxlib_draw_no_warning():
     and names itself; a release with nothing seen warns as before."""
     import warnings
 
-    from jaxdp._xla_flag_table import _BY_NAME, SEEN_ACCEPTED
+    from jaxdp._src.platform.xla_flag_table import _BY_NAME, SEEN_ACCEPTED
 
     assert all(n in _BY_NAME for names in SEEN_ACCEPTED.values() for n in names)
     with warnings.catch_warnings():

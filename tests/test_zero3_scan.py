@@ -219,7 +219,7 @@ def test_scan_counts_reads_both_jax_param_forms():
     """jax <= 0.10 names a scan's operand groups (num_consts, num_carry); jax 0.11 packs them
     into a flat tree ``ft_in`` of (consts, carry, xs). The rewrite reads either; the GPU hosts
     run 0.11, where reading the old names raised KeyError at stage 3."""
-    from jaxdp._scan_rewrite import scan_counts
+    from jaxdp._src.zero3.scan_rewrite import scan_counts
 
     class _Packed:  # jax 0.11's FlatTree: unpack() -> one sized group per part
         def unpack(self):

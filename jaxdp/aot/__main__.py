@@ -94,9 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.markup import escape
 
     from jaxdp import DataParallel
-    from jaxdp._xla_flags import xla_compiler_options, xla_flags
+    from jaxdp._src.platform.xla_flags import xla_compiler_options, xla_flags
 
-    from . import collective_roles, compile_step, example_mlp, h100_mesh, schedule_report
+    from ..aot import collective_roles, compile_step, example_mlp, h100_mesh, schedule_report
 
     console = Console()
     if not console.is_terminal:

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._engine import DataParallel
-from .._xla_flags import with_passes_off, xla_compiler_options
+from .._src.engine.engine import DataParallel
+from .._src.platform.xla_flags import with_passes_off, xla_compiler_options
 from ._report import Collective, ScheduleReport
 
 __all__ = [
@@ -143,8 +143,10 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     exactly one bucket's elements; a param collective is an all-gather of one bucket. A
     collective that XLA combined from several buckets matches no bucket and gets ``""``.
 
-    At ``zero_stage=3`` with the interleaved layout (:func:`jaxdp._gather.make_leaf_gather`),
-    and at stages 0-2 in the bf16 and fp32-wire modes (:mod:`jaxdp._per_param`), jaxdp gathers
+    At ``zero_stage=3`` with the interleaved layout
+    (:func:`jaxdp._src.zero3.gather.make_leaf_gather`),
+    and at stages 0-2 in the bf16 and fp32-wire modes (:mod:`jaxdp._src.comm.per_param`), jaxdp
+    gathers
     and reduces (stage 0: all-reduces) each parameter on its own and XLA's combiners merge
     them into groups of at most one bucket (:func:`jaxdp.combine_thresholds`): an all-gather in
     the working dtype, or a gradient collective in the wire dtype, of at most the largest

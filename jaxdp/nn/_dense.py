@@ -2,7 +2,7 @@
 
 ``Dense``/``DenseGeneral`` subclass ``flax.linen.Dense``/``DenseGeneral`` and ``Linear``
 subclasses ``flax.nnx.Linear``: same constructor arguments, parameter names, shapes and
-initialisation. Outside a fused trace (see :mod:`jaxdp.nn._fusion`) they run flax's own
+initialisation. Outside a fused trace (see :mod:`jaxdp._src.core.fusion`) they run flax's own
 ``__call__``. Inside one, a layer whose kernel the engine made fp32 multiplies with
 :func:`~jaxdp.nn.fused_matmul` in the dtype flax would have computed in (the kernel's working
 dtype stands in for the fp32 primal in flax's dtype promotion), so the forward is unchanged and
@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from ._fusion import _SCOPE, fused_matmul, fusion_dtype
+from .._src.core.fusion import _SCOPE, fused_matmul, fusion_dtype
 
 __all__ = ["Dense", "DenseGeneral", "Linear"]
 
@@ -37,7 +37,7 @@ def _bias_shape(y: jax.Array, bias: jax.Array, n_features: int) -> jax.Array:
 class Dense(linen.Dense):
     """``flax.linen.Dense`` whose weight gradient can be fused (``gradient_accumulation_fusion``).
 
-    Same attributes as ``flax.linen.Dense``; see :mod:`jaxdp.nn._fusion` for the mechanism.
+    Same attributes as ``flax.linen.Dense``; see :mod:`jaxdp._src.core.fusion` for the mechanism.
 
     Example:
         >>> import jax, jax.numpy as jnp

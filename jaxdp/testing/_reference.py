@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._config import DDPConfig
-from .._loss import LossCall, check_init_inputs, loss_parts
+from .._src.config.config import DDPConfig
+from .._src.core.loss import LossCall, check_init_inputs, loss_parts
 
 __all__ = ["Reference", "ReferenceState"]
 

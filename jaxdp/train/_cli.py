@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdp-train: error: {e}", file=sys.stderr)
         return 2
     _set_simulated_devices(args, multi=spec is not None)
-    from .._checkpoint import CheckpointMismatchError
+    from .._src.engine.checkpoint import CheckpointMismatchError
     from ._data import CorpusError
 
     setup_errors: tuple[type[BaseException], ...] = (

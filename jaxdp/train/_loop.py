@@ -17,10 +17,10 @@ from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .._batching import microbatches
-from .._checkpoint import CheckpointManager
-from .._engine import DataParallel
-from .._mesh import make_mesh
+from .._src.core.batching import microbatches
+from .._src.engine.checkpoint import CheckpointManager
+from .._src.engine.engine import DataParallel
+from .._src.topology.mesh import make_mesh
 from ..models.gpt import GPT, generate, next_byte_loss
 from ._data import batch_rows, load_corpus
 from ._mfu import mfu, train_flops_per_token

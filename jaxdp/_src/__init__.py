@@ -1,0 +1,1 @@
+"""jaxdp's implementation, in layered packages (CONTRIBUTING.md)."""

@@ -1,0 +1,370 @@
+"""Field validation of ``DDPConfig``: the checks its ``__post_init__`` runs, and their messages.
+
+``check_fields`` checks (and canonicalises) each field on its own, ``check_combinations`` the
+fields against each other. A bad value raises a ``ValueError`` or ``TypeError`` that names the
+field, shows what was given, says what is allowed and how to fix it. The allowed values
+(``AUTO_BUCKET_SIZE``, ``REMAT_POLICIES``, the layouts and dtypes) live here too;
+``jaxdp._src.config.config`` re-exports the public ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import Any, Final
+
+import numpy as np
+
+__all__ = ["AUTO_BUCKET_SIZE", "REMAT_POLICIES", "check_combinations", "check_fields"]
+
+#: Value of ``DDPConfig.bucket_size`` that means "Megatron's default, resolved once dp is known".
+AUTO_BUCKET_SIZE: Final = "auto"
+
+_LAYOUTS = ("interleaved", "megatron")
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+#: Values of ``DDPConfig.remat_policy`` (the policies themselves: ``jaxdp._src.zero3.gather``).
+REMAT_POLICIES: Final = ("gemm", "dots", "everything", "nothing")
+#: Values of ``DDPConfig.model_state_sync``.
+MODEL_STATE_SYNC: Final = ("mean", "broadcast")
+
+
+def _did_you_mean(unknown: list[Any], names: list[str]) -> str:
+    """``'bucket_sise' (did you mean 'bucket_size'?), 'foo'``: unknown names with close matches."""
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(str(k), names, n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(hints)
+
+
+def _err(field: str, value: Any, expected: str, fix: str, exc: type[Exception] = ValueError):
+    return exc(f"DDPConfig.{field}: got {value!r}; expected {expected}. Fix: {fix}")
+
+
+def _scan_patterns(rules: Any) -> tuple[tuple[str, int], ...]:
+    """Validate ``scan_param_patterns``: ``((regex, axis), ...)`` or a ``{regex: axis}`` map."""
+    field, fix = "scan_param_patterns", "pass e.g. scan_param_patterns=(('layers/', 0),)"
+    if isinstance(rules, dict):
+        rules = tuple(rules.items())
+    if isinstance(rules, str) or not isinstance(rules, (tuple, list)):
+        raise _err(field, rules, "a tuple of (regex, stacked axis) pairs", fix, TypeError)
+    out = []
+    for r in rules:
+        ok = isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) and r[0]
+        ax = r[1] if ok else None
+        if not ok or isinstance(ax, bool) or not isinstance(ax, (int, np.integer)) or ax < 0:
+            raise _err(field, rules, "(non-empty regex, axis >= 0) pairs", f"fix {r!r}", TypeError)
+        try:
+            re.compile(r[0])
+        except re.error as e:
+            raise _err(field, rules, f"valid regular expressions ({r[0]!r}: {e})", fix) from e
+        out.append((r[0], int(ax)))
+    return tuple(out)
+
+
+def _check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise _err(
+            field,
+            value,
+            "a bool (True or False)",
+            f"pass {field}=True or {field}=False",
+            TypeError,
+        )
+
+
+def _canonical_dtype(field: str, value: Any, allow_none: bool) -> str | None:
+    if value is None and allow_none:
+        return None
+    try:
+        name = None if value is None else np.dtype(value).name
+    except TypeError:
+        name = None
+    if name is None or name not in _FLOAT_DTYPES:
+        what = "None (keep the params' own dtypes) or " if allow_none else ""
+        raise _err(
+            field,
+            value,
+            f"{what}a floating dtype name, one of {_FLOAT_DTYPES}",
+            f"pass e.g. {field}='{'bfloat16' if allow_none else 'float32'}' (or a jnp dtype)",
+            TypeError if name is None else ValueError,
+        )
+    return name
+
+
+def check_fields(cfg: Any) -> None:
+    """Check and canonicalise each field of the ``DDPConfig`` ``cfg`` on its own (in place:
+    ``cfg`` is frozen, so values are set with ``object.__setattr__``)."""
+    z = cfg.zero_stage
+    if isinstance(z, bool) or not isinstance(z, (int, np.integer)):
+        raise _err("zero_stage", z, "an int in {0, 1, 2, 3}", "pass zero_stage=0..3", TypeError)
+    if z not in (0, 1, 2, 3):
+        raise _err(
+            "zero_stage",
+            z,
+            "0 (DDP), 1 (sharded optimizer), 2 (+ sharded grads) or 3 (+ sharded params)",
+            "pick one of 0, 1, 2, 3",
+        )
+    object.__setattr__(cfg, "zero_stage", int(z))
+
+    bs = cfg.bucket_size
+    if bs is not None and bs != AUTO_BUCKET_SIZE:
+        if isinstance(bs, bool) or not isinstance(bs, (int, np.integer)):
+            raise _err(
+                "bucket_size",
+                bs,
+                "a positive int (elements), None (one bucket per buffer) or 'auto'",
+                "pass e.g. bucket_size=40_000_000",
+                TypeError,
+            )
+        if bs <= 0:
+            raise _err(
+                "bucket_size",
+                bs,
+                "a positive number of elements",
+                "use bucket_size=None for a single bucket, or a count > 0",
+            )
+        object.__setattr__(cfg, "bucket_size", int(bs))
+
+    for name in (
+        "overlap_grad_reduce",
+        "average_in_collective",
+        "grad_reduce_in_fp32",
+        "reduce_scatter_with_fp32_accumulation",
+        "deterministic_reduction",
+        "pad_buckets_for_high_nccl_busbw",
+        "check_for_nan_in_grad",
+        "calculate_per_token_loss",
+        "gradient_accumulation_fusion",
+        "overlap_param_gather",
+    ):
+        _check_bool(name, getattr(cfg, name))
+        object.__setattr__(cfg, name, bool(getattr(cfg, name)))
+
+    cg = cfg.clip_grad
+    if cg is not None:
+        if isinstance(cg, bool) or not isinstance(cg, (int, float, np.integer, np.floating)):
+            raise _err(
+                "clip_grad",
+                cg,
+                "None (off) or a non-negative float (max global L2 norm)",
+                "pass e.g. clip_grad=1.0",
+                TypeError,
+            )
+        if not math.isfinite(cg) or cg < 0:
+            raise _err(
+                "clip_grad",
+                cg,
+                "a finite, non-negative max norm (0 or None turn clipping off)",
+                "pass e.g. clip_grad=1.0, or clip_grad=None to disable",
+            )
+        object.__setattr__(cfg, "clip_grad", float(cg) if cg > 0 else None)
+
+    m = cfg.num_microbatches
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+        raise _err(
+            "num_microbatches", m, "a positive int", "pass e.g. num_microbatches=4", TypeError
+        )
+    if m < 1:
+        raise _err(
+            "num_microbatches",
+            m,
+            "an int >= 1 (1 = no gradient accumulation)",
+            "pass num_microbatches=1 or more",
+        )
+    object.__setattr__(cfg, "num_microbatches", int(m))
+
+    object.__setattr__(cfg, "param_dtype", _canonical_dtype("param_dtype", cfg.param_dtype, True))
+    object.__setattr__(
+        cfg,
+        "main_grads_dtype",
+        _canonical_dtype("main_grads_dtype", cfg.main_grads_dtype, False),
+    )
+
+    ax = cfg.data_axis
+    if not isinstance(ax, str):
+        raise _err(
+            "data_axis",
+            ax,
+            "the str name of a mesh axis",
+            "pass e.g. data_axis='data'",
+            TypeError,
+        )
+    if not ax:
+        raise _err("data_axis", ax, "a non-empty mesh axis name", "pass e.g. data_axis='data'")
+
+    pats = cfg.own_bucket_param_patterns
+    if isinstance(pats, str) or not isinstance(pats, (tuple, list)):
+        raise _err(
+            "own_bucket_param_patterns",
+            pats,
+            "a tuple of fnmatch pattern strings over parameter paths",
+            "wrap a single pattern in a tuple, e.g. ('*embedding*',)",
+            TypeError,
+        )
+    for p in pats:
+        if not isinstance(p, str) or not p:
+            raise _err(
+                "own_bucket_param_patterns",
+                pats,
+                "non-empty pattern strings only",
+                f"remove or fix the entry {p!r}",
+                TypeError,
+            )
+    object.__setattr__(cfg, "own_bucket_param_patterns", tuple(pats))
+
+    ea = cfg.expert_axis
+    if ea is not None and (not isinstance(ea, str) or not ea):
+        raise _err(
+            "expert_axis",
+            ea,
+            "None or the non-empty str name of the mesh axis experts are split over",
+            "pass e.g. expert_axis='expert'",
+            TypeError if not isinstance(ea, str) else ValueError,
+        )
+    if ea is not None and ea == cfg.data_axis:
+        raise _err(
+            "expert_axis",
+            ea,
+            f"a mesh axis other than data_axis={cfg.data_axis!r} (experts are replicated "
+            "over data_axis, their expert-data-parallel group)",
+            "name the expert axis of the mesh, e.g. expert_axis='expert'",
+        )
+    epats = cfg.expert_param_patterns
+    if isinstance(epats, str) or not isinstance(epats, (tuple, list)):
+        raise _err(
+            "expert_param_patterns",
+            epats,
+            "a tuple of fnmatch pattern strings over parameter paths",
+            "wrap a single pattern in a tuple, e.g. ('*/experts/*',)",
+            TypeError,
+        )
+    for p in epats:
+        if not isinstance(p, str) or not p:
+            raise _err(
+                "expert_param_patterns",
+                epats,
+                "non-empty pattern strings only",
+                f"remove or fix the entry {p!r}",
+                TypeError,
+            )
+    object.__setattr__(cfg, "expert_param_patterns", tuple(epats))
+    _check_bool("scan_layers", cfg.scan_layers)
+    object.__setattr__(cfg, "scan_param_patterns", _scan_patterns(cfg.scan_param_patterns))
+
+    if cfg.bucket_layout not in _LAYOUTS:
+        raise _err(
+            "bucket_layout",
+            cfg.bucket_layout,
+            f"one of {_LAYOUTS}",
+            "use 'interleaved' (optimizer state keeps the params' structure) or 'megatron'",
+        )
+
+    _check_choice(
+        "remat_policy",
+        cfg.remat_policy,
+        REMAT_POLICIES,
+        "what stage 3's jax.checkpoint saves",
+        "use 'gemm' (GEMM and fused-attention outputs, the default), 'dots', 'everything' or "
+        "'nothing'",
+    )
+    _check_choice(
+        "model_state_sync",
+        cfg.model_state_sync,
+        MODEL_STATE_SYNC,
+        "how the ranks combine the model_state each step",
+        "use 'mean' (running statistics, the default) or 'broadcast' (rank 0's)",
+    )
+
+
+def _check_choice(field: str, value: Any, choices: tuple[str, ...], what: str, fix: str) -> None:
+    """A string field with a fixed set of values: TypeError for a non-string, else ValueError."""
+    if not isinstance(value, str) or value not in choices:
+        exc = TypeError if not isinstance(value, str) else ValueError
+        raise _err(field, value, f"one of {choices} ({what})", fix, exc)
+
+
+def check_combinations(cfg: Any) -> None:
+    """Check the fields of the ``DDPConfig`` ``cfg`` against each other."""
+    if cfg.reduce_scatter_with_fp32_accumulation:
+        if cfg.zero_stage == 0:
+            raise _err(
+                "reduce_scatter_with_fp32_accumulation",
+                True,
+                "a distributed optimizer (zero_stage >= 1); with zero_stage=0 gradients are "
+                "all-reduced, not reduce-scattered",
+                "set zero_stage=1 (or 2/3), or grad_reduce_in_fp32=True for an fp32 all-reduce",
+            )
+        if cfg.average_in_collective:
+            raise _err(
+                "reduce_scatter_with_fp32_accumulation",
+                True,
+                "a SUM reduction, but average_in_collective=True asks for an AVG collective "
+                "(Megatron asserts the same)",
+                "set average_in_collective=False (gradients are pre-scaled by 1/dp instead)",
+            )
+        if cfg.grad_reduce_in_fp32:
+            raise _err(
+                "reduce_scatter_with_fp32_accumulation",
+                True,
+                "low-precision gradients, but grad_reduce_in_fp32=True already reduces in fp32",
+                "keep only one of grad_reduce_in_fp32 / reduce_scatter_with_fp32_accumulation",
+            )
+    if cfg.overlap_param_gather and cfg.zero_stage == 0:
+        raise _err(
+            "overlap_param_gather",
+            True,
+            "a distributed optimizer (zero_stage >= 1): with zero_stage=0 the params are "
+            "replicated and never gathered (Megatron asserts the same)",
+            "set zero_stage=1 or 2 (zero_stage=3 implies it), or overlap_param_gather=False",
+        )
+    if cfg.gradient_accumulation_fusion and cfg.zero_stage == 3:
+        raise _err(
+            "gradient_accumulation_fusion",
+            True,
+            "zero_stage <= 2: at zero_stage=3 the params reach loss_fn through a per-bucket "
+            "gather whose transpose is the reduce-scatter, and the fused fp32 weight "
+            "gradients are not supported through it yet",
+            "use zero_stage=2 with gradient_accumulation_fusion=True, or drop the fusion at "
+            "zero_stage=3",
+        )
+    if cfg.scan_param_patterns and cfg.zero_stage == 3 and cfg.bucket_layout != "interleaved":
+        raise _err(
+            "scan_param_patterns",
+            cfg.scan_param_patterns,
+            "bucket_layout='interleaved': per-layer stacks are laid out per rank and layer",
+            "use bucket_layout='interleaved', or drop scan_param_patterns",
+        )
+    if cfg.remat_policy != "gemm" and cfg.zero_stage != 3:
+        raise _err(
+            "remat_policy",
+            cfg.remat_policy,
+            "zero_stage=3: only stage 3 wraps the loss in jax.checkpoint (to gather the "
+            "params again in the backward pass); stages 0-2 keep the full params and save "
+            "what plain autodiff saves",
+            "set zero_stage=3, or drop remat_policy (to rematerialise at stages 0-2, wrap "
+            "loss_fn in jax.checkpoint yourself)",
+        )
+    if cfg.calculate_per_token_loss and cfg.average_in_collective:
+        raise _err(
+            "calculate_per_token_loss",
+            True,
+            "a SUM reduction normalised by the global token count; average_in_collective=True "
+            "would divide by dp as well (Megatron rejects this combination)",
+            "set average_in_collective=False",
+        )
+    if cfg.expert_param_patterns and cfg.expert_axis is None:
+        raise _err(
+            "expert_param_patterns",
+            cfg.expert_param_patterns,
+            "an expert_axis to split the matching params over",
+            "set expert_axis='expert' (the mesh axis of expert parallelism)",
+        )
+    if cfg.pad_buckets_for_high_nccl_busbw and cfg.zero_stage == 0:
+        raise _err(
+            "pad_buckets_for_high_nccl_busbw",
+            True,
+            "a distributed optimizer (zero_stage >= 1); stage-0 buckets are not padded",
+            "set zero_stage >= 1 or drop pad_buckets_for_high_nccl_busbw",
+        )

@@ -1,0 +1,359 @@
+"""``DataParallel``: a jitted training step with bucketed gradient reduction and ZeRO 0-3.
+
+This module is the facade: argument checks, ``init``, batch placement and checks, and the
+jitted step. Every variant question (ZeRO stage, mesh kind, layout, scanned layer stacks) is
+decided once, in ``init``, by the plan (:mod:`jaxdp._src.strategy.plan`), which builds the strategy
+(:mod:`jaxdp._src.strategy.strategy`). The step is then one straight line:
+
+1. ``strategy.local_step``: in a ``shard_map`` over the data-parallel group, each rank
+   computes its local gradients micro-batch by micro-batch and reduces them bucket by bucket
+   (:mod:`jaxdp._src.strategy.local`, :mod:`jaxdp._src.strategy.kernels`);
+2. global-norm clipping and the optax update on the strategy's view of the master weights
+   (:mod:`jaxdp._src.strategy.update`; sharded at stages >= 1, so each rank updates its shard);
+3. ``strategy.rebuild``: the working params (gathered, cast, or kept sharded).
+
+See README "Architecture" for the whole flow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..comm.order import hold
+from ..config.config import DDPConfig
+from ..core.loss import LossCall, check_init_inputs, plain_loss
+from ..core.state import TrainState
+from ..layout.layout import BucketLayout
+from ..platform.xla_flags import engine_compiler_options, with_passes_off
+from ..strategy.plan import Plan, build_plan, check_engine_args
+from ..strategy.update import optimizer_update
+from ..topology.group import ReductionGroup
+from ..topology.mesh import auto_mesh, check_mesh, make_mesh
+from .state_build import build_state, per_leaf_plan
+from .step import _Step, check_batch
+
+__all__ = ["DataParallel", "TrainState"]
+
+
+class DataParallel:
+    """Data-parallel training with Megatron's gradient machinery.
+
+    Args:
+        loss_fn: ``loss_fn(params, microbatch) -> loss`` (mean over the micro-batch),
+            ``-> (loss, aux)`` or ``-> jaxdp.LossOutput(loss, aux, model_state, num_tokens)``;
+            with ``config.calculate_per_token_loss`` it returns ``(loss_sum, num_tokens)``.
+            When :meth:`init` got a ``model_state`` / an ``rng`` it is also passed
+            ``model_state=`` / ``rng=`` (keywords). ``metrics["aux"]`` is the elementwise mean
+            of ``aux`` over micro-batches and ranks.
+        optimizer: an ``optax.GradientTransformation``.
+        config: a :class:`DDPConfig`.
+        mesh: a mesh with ``config.data_axis`` (default: :func:`make_mesh` over all devices);
+            its axes are used as ``Auto`` axes (see :func:`jaxdp._src.topology.mesh.auto_mesh`).
+            Params
+            keep their shardings over its other axes (tensor parallelism, README "With
+            tensor / expert parallelism"); see ``DDPConfig.expert_axis`` for experts.
+        donate: donate the input state to the step (saves a copy of params and optimizer
+            state; the input state is unusable afterwards).
+        compiler_options: XLA options the step compiles with. ``None`` (default): XLA's
+            defaults and ``XLA_FLAGS``. ``"jaxdp"``: on GPU meshes,
+            :func:`jaxdp.xla_compiler_options` for ``config`` and this mesh's data-parallel
+            size (the combine thresholds that keep buckets apart, the latency-hiding
+            scheduler), less the options ``XLA_FLAGS`` names; nothing on other platforms.
+            A dict: exactly those options. Unlike :func:`jaxdp.apply_xla_flags` this works
+            after the backend has started, and only for the step (README "XLA flags"); the
+            step adds the passes its collectives need off (:attr:`step_compiler_options`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from jaxdp import DataParallel, DDPConfig
+        >>> def loss_fn(params, batch):
+        ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+        >>> dp = DataParallel(loss_fn, optax.sgd(0.1), DDPConfig(zero_stage=1))
+        >>> state = dp.init({"w": jnp.zeros((4, 1))})
+        >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.ones((16, 1))}
+        >>> state, metrics = dp.step(state, dp.shard_batch(batch))
+        >>> round(float(metrics["loss"]), 3)
+        1.0
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
+        config: DDPConfig,
+        mesh: Any = None,
+        *,
+        donate: bool = True,
+        compiler_options: dict[str, Any] | str | None = None,
+    ):
+        check_engine_args(loss_fn, optimizer, config)
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.config = config
+        check_mesh(mesh, config.data_axis, config.expert_axis)
+        self.mesh = auto_mesh(make_mesh(mesh, axis=config.data_axis))
+        self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
+        self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
+        self.donate = donate
+        first = self.mesh.devices.flat[0]
+        self.compiler_options = engine_compiler_options(
+            compiler_options, config, dp_size=self.dp, platform=self.group.platform, device=first
+        )
+        self._plan: Plan | None = None
+        self._batch_sig: Any = None
+        self._batch_ok: Any = None  # (local, treedef, leaf shapes/dtypes) of the last good batch
+        self._step: _Step | None = None
+        self._export: Any = None
+        self._call = LossCall()
+        self._plain_loss: Callable[..., Any] = loss_fn
+        self._abstract: TrainState | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def plan(self) -> Plan:
+        """What ``init`` decided (:class:`jaxdp._src.strategy.plan.Plan`): the reduction group, the
+        params' shardings, the layout and the ZeRO strategy (``plan.strategy``), which
+        ``CheckpointManager``, ``jaxdp.aot`` and ``jaxdp-train`` ask about the state."""
+        if self._plan is None:
+            raise RuntimeError(
+                "DataParallel.plan: the plan is built from the params; call init(params) "
+                "first (jax.eval_shape(dp.init, params) is enough)."
+            )
+        return self._plan
+
+    @property
+    def loss_call(self) -> LossCall:
+        """Which keywords ``loss_fn`` gets (``model_state=``, ``rng=``), as ``init`` decided."""
+        return self._call
+
+    @property
+    def layout(self) -> BucketLayout:
+        """The :class:`BucketLayout` of the params (available after :meth:`init`)."""
+        if self._plan is None:
+            raise RuntimeError(
+                "DataParallel.layout: the layout is built from the params; call init(params) "
+                "first (jax.eval_shape(dp.init, params) is enough)."
+            )
+        return self._plan.layout
+
+    @property
+    def abstract_state(self) -> TrainState:
+        """The ``jax.ShapeDtypeStruct`` of every :class:`TrainState` leaf ``init`` returns
+        (available after ``init``; ``model_state`` and ``rng`` included)."""
+        self.layout  # noqa: B018 - raises a clear error before init
+        assert self._abstract is not None
+        return self._abstract
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """The ``NamedSharding`` of every :class:`TrainState` leaf (available after ``init``)."""
+        self.layout  # noqa: B018 - raises a clear error before init
+        return self._shardings
+
+    def _sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    # ------------------------------------------------------------------ init
+    def init(
+        self,
+        params: Any,
+        *,
+        model_state: Any = None,
+        rng: Any = None,
+        example_batch: Any = None,
+        param_specs: Any = None,
+    ) -> TrainState:
+        """Build the plan and the sharded :class:`TrainState` from a full params pytree.
+
+        Works under ``jax.eval_shape`` (then nothing is allocated). The state is built by
+        one compiled program, or, for a model of many leaves that repeat a few shapes (64
+        leaves or more, 8 or more per kind on average), by one small program per kind of
+        leaf and one for the optimizer's ``init``, which compile several times faster at
+        1,000 leaves (``jaxdp._src.engine.state_build``); the state is the same either way.
+
+        Args:
+            params: the full trainable params (e.g. linen's ``variables["params"]``).
+            model_state: the model's non-trainable state (linen's ``batch_stats`` and other
+                mutable collections; nnx's ``BatchStat`` and other non-``Param`` state), or
+                ``None``. With one, ``loss_fn`` is called with ``model_state=<this rank's
+                state>`` and must return :class:`jaxdp.LossOutput` with the updated state; the
+                ranks' states are combined after every step (``DDPConfig.model_state_sync``).
+            rng: a typed PRNG key (``jax.random.key(seed)``), or ``None``. With one,
+                ``loss_fn`` is called with ``rng=<key>``: a fresh key for every step, rank and
+                micro-batch, ``fold_in(fold_in(rng, step), rank * G + microbatch)``.
+            example_batch: a global batch like ``step``'s (arrays or ``jax.ShapeDtypeStruct``;
+                only shapes are used): lets ``zero_stage=3`` detect scanned layer stacks and
+                gather them one layer per scan iteration (``DDPConfig.scan_layers``); without it
+                only ``scan_param_patterns`` apply.
+            param_specs: on a multi-axis mesh each param keeps the ``NamedSharding`` it carries
+                over the non-data axes (tensor parallelism), or the ``PartitionSpec`` given for
+                it here (a pytree like ``params``; needed under ``jax.eval_shape`` the first
+                time, as tracers carry none).
+        """
+        model_state, rng, self._call = check_init_inputs(model_state, rng)
+        self._plain_loss = plain_loss(self.loss_fn, self._call, model_state)
+        self._plan = build_plan(
+            self._plain_loss,
+            self.optimizer,
+            self.config,
+            self.group,
+            params,
+            param_specs=param_specs,
+            example_batch=example_batch,
+            previous=self._plan,
+        )
+        self._detected = example_batch is not None
+        strategy = self._plan.strategy
+
+        def full(p: Any, ms: Any, key: Any) -> TrainState:
+            return strategy.init_state(p)._replace(model_state=ms, rng=key)
+
+        params = self._replicate_uncommitted(params)
+        abstract = jax.eval_shape(full, params, model_state, rng)
+        replicated = self._sharding(P())
+        self._shardings = strategy.state_shardings(abstract)._replace(
+            model_state=jax.tree.map(lambda _: replicated, abstract.model_state),
+            rng=None if rng is None else replicated,
+        )
+        self._abstract = abstract
+        leaf_plan = per_leaf_plan(strategy, params, self._shardings)
+        if (
+            leaf_plan is not None
+        ):  # one small program per kind of leaf (jaxdp._src.engine.state_build)
+            return build_state(strategy, leaf_plan, params, self._shardings, model_state, rng)
+        return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
+
+    def _replicate_uncommitted(self, params: Any) -> Any:
+        """Uncommitted single-device params (what ``model.init`` returns) go onto the mesh
+        replicated before ``init``'s program runs. Left to ``jit``, XLA picks a sharded input
+        layout for them at stages 1-3 and jax splits each array with a slicing program
+        compiled per distinct shape (0.13 s of a 10-parameter stage-1 ``init`` in a fresh
+        process, 0.2 s at 100). The largest per-device footprint is unchanged: the device
+        holding the whole params already has them. Host arrays (NumPy) are left to jax, which
+        splits them on the host, so a model bigger than one device still starts from host
+        memory; committed arrays (tensor-parallel shardings) and tracers are left as they are."""
+        if jax.process_count() > 1:
+            return params
+        replicated = self._sharding(P())
+
+        def uncommitted(x: Any) -> bool:
+            try:
+                return not x.committed
+            except (AttributeError, TypeError):  # NumPy arrays; tracers raise a TypeError
+                return False
+
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        moved = [i for i, x in enumerate(leaves) if uncommitted(x)]
+        if moved:  # one batched transfer (one call per leaf: 0.36 s at 1,000 leaves)
+            placed = jax.device_put([leaves[i] for i in moved], replicated)
+            for i, x in zip(moved, placed, strict=True):
+                leaves[i] = x
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    # ------------------------------------------------------------------ batches
+    def shard_batch(self, batch: Any) -> Any:
+        """Place a process-local batch on the mesh, split along the leading axis.
+
+        On one process this is the global batch; with several processes each passes its own
+        slice and the global batch is their concatenation in process order.
+        """
+        check_batch(self, batch, local=True)
+        sharding = self._sharding(self.group.batch_spec())
+        if jax.process_count() == 1:
+            return jax.device_put(batch, sharding)
+
+        def put(x: Any) -> Any:
+            if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+                data = put(jax.random.key_data(x))  # typed keys travel as their uint32 data
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+        return jax.tree.map(put, batch)
+
+    # ------------------------------------------------------------------ step
+    @property
+    def step_compiler_options(self) -> dict[str, Any] | None:
+        """The options the step compiles with (after ``init``): ``compiler_options`` and the
+        passes its collectives need off (stage 0 on GPUs: XLA's ``all-reduce-contiguous``)."""
+        return with_passes_off(self.compiler_options, self.plan.passes_off)
+
+    @property
+    def step(self) -> _Step:
+        """``step(state, batch) -> (state, metrics)``, jitted; has ``.lower(state, batch)``."""
+        if self._step is None:
+            self.layout  # noqa: B018 - raises a clear error before init
+            shardings = self._shardings
+            out = (shardings, self._sharding(P()))
+            jitted = jax.jit(
+                self._step_fn,
+                donate_argnums=(0,) if self.donate else (),
+                out_shardings=out,
+                compiler_options=self.step_compiler_options,
+            )
+            self._step = _Step(self, jitted)
+        return self._step
+
+    def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        strategy, call = self.plan.strategy, self._call
+        key = jax.random.fold_in(state.rng, state.step) if call.rng else None
+        grads, metrics, model_state = strategy.local_step(
+            self.loss_fn, state.params, batch, call, state.model_state, key
+        )
+        target = strategy.target(state)
+        if self.donate and strategy.holds_params:  # jaxdp._src.comm.order.hold
+            target = hold(target, state.params, metrics["grad_norm"])
+        new_target, opt_state = optimizer_update(
+            self.optimizer,
+            grads,
+            metrics["grad_norm"],
+            state.opt_state,
+            target,
+            self.config,
+        )
+        params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
+        new = TrainState(
+            step=state.step + 1,
+            params=params,
+            master=master,
+            opt_state=opt_state,
+            model_state=model_state,
+        )
+        if self.config.check_for_nan_in_grad:
+            # Skip the update when any rank saw a non-finite gradient: the caller gets the last
+            # good state back even though the input was donated.
+            good = ~jnp.any(metrics["nonfinite_ranks"] > 0)
+            new = jax.tree.map(lambda n, o: jnp.where(good, n, o), new, state._replace(rng=None))
+        return new._replace(rng=state.rng), metrics
+
+    # ------------------------------------------------------------------ export
+    def params(self, state: TrainState) -> Any:
+        """The full, unsharded params pytree, in the dtypes of the params given to ``init``.
+
+        Values come from the fp32 master weights where there are any (so nothing is lost to
+        ``param_dtype`` rounding), otherwise from the working params.
+        """
+        if state.master is None:
+            return state.params
+        if self._export is None:  # jit once: eval loops call this every few steps
+            self._export = jax.jit(self.plan.strategy.export, out_shardings=self._sharding(P()))
+        return self._export(state.master)
+
+    def model_state(self, state: TrainState) -> Any:
+        """The whole model state (as :meth:`params` for the params): the non-trainable state
+        given to ``init(params, model_state=...)`` as of ``state``'s step, for eval and export
+        (e.g. ``model.apply({"params": dp.params(state), **dp.model_state(state)}, x)``);
+        ``None`` when ``init`` got none. It is replicated, so this is ``state.model_state``."""
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"DataParallel.model_state: state is a {type(state).__name__}; expected the "
+                "jaxdp.TrainState returned by init / step."
+            )
+        return state.model_state

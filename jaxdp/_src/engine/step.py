@@ -1,0 +1,174 @@
+"""The jitted step's host side: batch signatures and checks, abstract lowering and the NaN
+report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core.state import TrainState
+from ..zero3.scan import warn_if_undetected
+
+
+def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    out = []
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        # Read shape/dtype from the array itself: np.asarray would copy a device array to the
+        # host on every step, and fails for arrays that span other processes' devices.
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            leaf = np.asarray(leaf)
+        shape = tuple(leaf.shape)
+        # Typed PRNG keys (jax.random.key) have a dtype numpy cannot interpret: key<fry>.
+        dt = leaf.dtype
+        key = not isinstance(dt, np.dtype) and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+        dtype = str(dt) if key else np.dtype(dt).name
+        out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
+    return out
+
+
+def check_batch(eng: Any, batch: Any, local: bool = False) -> None:
+    """Raise a clear error for a batch ``eng`` (a :class:`jaxdp.DataParallel`) cannot step on:
+    no array leaves, leaves without one shared leading axis, a leading axis that is not a
+    multiple of ``num_microbatches x dp`` (``local``: of this process's share), or a tree,
+    shape or dtype other than the first batch's. Remembers the first batch's signature and the
+    last good batch's shapes (a batch shaped like it passes at once)."""
+    if not getattr(eng, "_detected", True):  # once: init got no batch to find stacks
+        eng._detected = True
+        warn_if_undetected(eng, batch)
+    # Fast path (host time per step): a batch shaped like the last one that passed is valid.
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    try:
+        seen = (local, treedef, tuple((x.shape, x.dtype) for x in leaves))
+    except AttributeError:  # a leaf that is not an array (a list, a scalar): the full check
+        seen = None
+    if seen is not None and seen == eng._batch_ok:
+        return
+    sig = _batch_signature(batch)
+    if not sig:
+        raise ValueError(
+            "DataParallel.step: the batch has no array leaves; expected a pytree of arrays "
+            "whose leading axis is the global batch."
+        )
+    g, dp = eng.config.num_microbatches, eng.dp
+    div = g * (dp // jax.process_count() if local else dp)
+    lead = {s[1][0] if s[1] else None for s in sig}
+    if None in lead or len(lead) != 1:
+        sized = lead - {None}
+        for p, sh, dt in sig:
+            if not sh and dt.startswith("key<"):  # _batch_signature's typed-key dtype names
+                size = sized.pop() if len(sized) == 1 else "global_batch"
+                raise ValueError(
+                    f"DataParallel.step: batch leaf {p} is a single PRNG key (shape (), "
+                    f"dtype {dt}); expected one key per example along the batch's leading "
+                    "axis (a scalar has no batch axis to split over the devices). Fix: "
+                    f"split it, e.g. jax.random.split(key, {size}), and jax.vmap over the keys "
+                    "in loss_fn. (For dropout, init(params, rng=key) hands loss_fn a fresh "
+                    "key every step instead: loss_fn(params, batch, *, rng).)"
+                )
+        raise ValueError(
+            "DataParallel.step: every batch leaf must share one leading (batch) axis; got "
+            f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."
+        )
+    n = lead.pop()
+    assert n is not None
+    if n % div or n == 0:
+        raise ValueError(
+            f"DataParallel.step: the batch's leading dimension is {n}; expected a positive "
+            f"multiple of num_microbatches x dp = {g} x "
+            f"{div // g} = {div}. Fix: use a global batch of "
+            f"{max(div, n // div * div)} (or {(n // div + 1) * div})."
+        )
+    rest = [(p, sh[1:], dt) for p, sh, dt in sig]
+    if eng._batch_sig is None:
+        eng._batch_sig = (treedef, rest)
+        eng._batch_ok = seen
+        return
+    want_def, want_rest = eng._batch_sig
+    if treedef != want_def:
+        raise ValueError(
+            f"DataParallel.step: the batch's tree structure {treedef} differs from the first "
+            f"batch's {want_def}. Fix: keep the same keys in every batch."
+        )
+    for (p, shape, dt), (_, wshape, wdt) in zip(rest, want_rest, strict=True):
+        if shape != wshape or dt != wdt:
+            raise ValueError(
+                f"DataParallel.step: batch leaf {p} has per-example shape {shape} and dtype "
+                f"{dt}; expected {wshape} and {wdt} as in the first batch. Fix: pad or cast "
+                "the batch (a new shape would also force a recompilation)."
+            )
+    eng._batch_ok = seen
+
+
+def _with_sharding(x: Any, sharding: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+
+
+def _check_not_donated(state: Any) -> None:
+    """Raise if ``state`` was donated to an earlier step (a donating jit segfaults on it).
+
+    A step donates the whole state at once, so every leaf of a donated state is deleted; the
+    ``step`` counter stands for all of them (one attribute read and one C++ call per step;
+    checking every leaf would cost a tree flatten, ~0.25 us per leaf). A state assembled by hand
+    from a live ``step`` and another state's donated leaves is not caught.
+    """
+    step = getattr(state, "step", None)
+    try:
+        deleted = step.is_deleted()  # type: ignore[union-attr]
+    except AttributeError:  # not a jax.Array (a tracer, numpy, a foreign pytree)
+        return
+    if deleted:
+        raise ValueError(
+            "DataParallel.step: state was donated to an earlier step (its buffers are deleted: "
+            "state.step.is_deleted() is True); a donated state cannot be passed again. Fix: use "
+            "the state returned by that step (state, metrics = dp.step(state, batch)), keep a "
+            "copy before stepping (jax.tree.map(jnp.copy, state)), or build the engine with "
+            "DataParallel(..., donate=False)."
+        )
+
+
+class _Step:
+    """The jitted step plus the host-side checks (batch validation, NaN report)."""
+
+    def __init__(self, engine: Any, jitted: Any):
+        self._engine = engine
+        self._jitted = jitted
+
+    def lower(self, state: TrainState, batch: Any) -> Any:
+        """``jax.jit(...).lower`` of the step, for inspection and AOT compilation.
+
+        ``state`` and ``batch`` may be abstract (``jax.eval_shape(dp.init, params)`` and
+        ``jax.ShapeDtypeStruct`` batches): leaves without a sharding get the engine's own, so
+        the program (donation, memory analysis) is the one ``step`` runs.
+        """
+        eng = self._engine
+        check_batch(eng, batch)
+        state = jax.tree.map(_with_sharding, state, eng._shardings)
+        batch_sharding = eng._sharding(eng.group.batch_spec())
+        batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
+        return self._jitted.lower(state, batch)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        eng = self._engine
+        if eng.donate:
+            _check_not_donated(state)
+        check_batch(eng, batch)
+        new_state, metrics = self._jitted(state, batch)
+        if eng.config.check_for_nan_in_grad:
+            bad = np.asarray(metrics.pop("nonfinite_ranks"))
+            if bad.any():
+                paths = [eng.layout.slots[i].path for i in np.flatnonzero(bad)]
+                err = FloatingPointError(
+                    f"DataParallel.step: NaN or Inf in the local gradients of {paths} at step "
+                    f"{int(np.asarray(new_state.step))} (on {int(bad.max())} of {eng.dp} "
+                    "ranks), found before the reduction. "
+                    "The update was skipped; the last good state is in this exception's "
+                    "`.state` attribute (the input state was donated)."
+                )
+                err.state = new_state  # type: ignore[attr-defined]
+                err.paths = paths  # type: ignore[attr-defined]
+                raise err
+        return new_state, metrics

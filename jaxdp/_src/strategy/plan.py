@@ -1,0 +1,358 @@
+"""The plan: every variant question of an engine, decided once in ``DataParallel.init``.
+
+:func:`build_plan` reads the config, the mesh, the params (and an example batch) and decides:
+
+* the **group** (:class:`jaxdp._src.topology.group.ReductionGroup`): who reduces with whom;
+* the **sharding** of the params over the mesh's other axes
+  (:class:`jaxdp._src.topology.sharding.ShardingPlan`; trivial on a 1-D mesh) and so the **bucket
+  operations** (:func:`_ops`: nested regions on tensor-parallel meshes, per-parameter
+  collectives at stages 1-2, :mod:`jaxdp._src.comm.per_param`);
+* the **layout** (:class:`jaxdp.BucketLayout`, with the scanned layer stacks ZeRO-3 gathers
+  per layer);
+* the **strategy** (:mod:`jaxdp._src.strategy.strategy`), with its codecs and gradient kernel;
+* the gradient mean's **divisor carried by the loss** (:mod:`jaxdp._src.strategy.loss_divisor`),
+held by
+  the operations that reduce, which the kernel that differentiates reads it from.
+
+It is the only reader of ``zero_stage``, ``overlap_param_gather``, ``expert_axis``, the mesh
+kind and the scan stacks; the step, the checkpoints and the reports ask the strategy.
+Unsupported combinations are the rows of :data:`UNSUPPORTED`, checked before anything is
+built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from ..comm.nested import NestedOps, PlainOps
+from ..comm.per_param import (
+    AllReduceOps,
+    PerParamOps,
+    per_parameter_all_reduce,
+    per_parameter_collectives,
+)
+from ..config.config import DDPConfig
+from ..forms.codec import BlockCodec, Codec, InterleavedCodec, MegatronCodec, ParamCodec
+from ..layout.layout import BucketLayout
+from ..optim.check import check_optimizer
+from ..topology.group import ReductionGroup
+from ..topology.sharding import ShardingPlan
+from ..zero3.dot_operands import name_batched_dot_operands
+from ..zero3.gather import gathers_per_parameter, reduces_per_parameter, zero3_value_and_grad
+from ..zero3.remat import names_dot_operands
+from ..zero3.scan import find_stacks, finds_stacks, zero3_scan_value_and_grad
+from .kernels import (
+    GatherInGrad,
+    ReduceAtEnd,
+    ReduceAtEndPerParam,
+    ReduceEachMicrobatch,
+    ScatterAtEnd,
+    ScatterAtEndPerParam,
+)
+from .loss_divisor import loss_divisor
+from .strategy import Replicated, ShardedOpt, ShardedParams, Strategy
+
+__all__ = ["UNSUPPORTED", "Plan", "build_plan", "check_engine_args", "check_supported"]
+
+
+def _expert_zero(config: DDPConfig, sharding: ShardingPlan | None) -> str | None:
+    if config.expert_axis is None or config.zero_stage == 0:
+        return None
+    return (
+        f"DataParallel: expert_axis={config.expert_axis!r} with zero_stage={config.zero_stage} "
+        "is not implemented yet (expert buffers would need their own ZeRO shard over the "
+        "expert-data-parallel group); expected zero_stage=0. Fix: use zero_stage=0 with "
+        "expert parallelism."
+    )
+
+
+def _megatron_split(config: DDPConfig, sharding: ShardingPlan | None) -> str | None:
+    if sharding is None or sharding.trivial or config.zero_stage == 0:
+        return None
+    if config.bucket_layout != "megatron":
+        return None
+    return (
+        "DataParallel: bucket_layout='megatron' with parameters split over "
+        f"{sharding.auto_axes} is not implemented; expected bucket_layout='interleaved' (the "
+        "default) on a multi-axis mesh. Fix: drop bucket_layout='megatron'."
+    )
+
+
+#: The combinations jaxdp refuses, one row each: ``check(config, sharding) -> message or
+#: None`` (``sharding`` is ``None`` before ``init`` has seen the params).
+UNSUPPORTED: tuple[Callable[[DDPConfig, ShardingPlan | None], str | None], ...] = (
+    _expert_zero,
+    _megatron_split,
+)
+
+
+def check_supported(config: DDPConfig, sharding: ShardingPlan | None = None) -> None:
+    """Raise ``NotImplementedError`` for the first row of :data:`UNSUPPORTED` that applies."""
+    for row in UNSUPPORTED:
+        msg = row(config, sharding)
+        if msg is not None:
+            raise NotImplementedError(msg)
+
+
+def check_engine_args(loss_fn: Any, optimizer: Any, config: Any) -> None:
+    """Refuse ``DataParallel``'s arguments of the wrong kind, then unsupported configs
+    (:func:`check_supported`), before anything is built."""
+    if not callable(loss_fn):
+        raise TypeError(
+            f"DataParallel: loss_fn is a {type(loss_fn).__name__}; expected a callable "
+            "loss_fn(params, microbatch) -> loss. Fix: pass the function itself."
+        )
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"DataParallel: optimizer is a {type(optimizer).__name__}; expected an "
+            "optax.GradientTransformation (with init and update). Fix: e.g. optax.adamw(1e-3)."
+        )
+    if not isinstance(config, DDPConfig):
+        raise TypeError(
+            f"DataParallel: config is a {type(config).__name__}; expected a jaxdp.DDPConfig. "
+            "Fix: config=DDPConfig(...) or DDPConfig.from_yaml(path)."
+        )
+    check_supported(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`build_plan` decided (module docstring).
+
+    Attributes:
+        group: who reduces with whom.
+        sharding: the params' shardings over the mesh's other axes.
+        layout: the bucket layout (of the rank-local blocks on a tensor-parallel mesh).
+        strategy: the ZeRO strategy; ask it about state forms, the step, checkpoints.
+        finds_stacks: scanned layer stacks are detected and gathered per layer.
+    """
+
+    group: ReductionGroup
+    sharding: ShardingPlan
+    layout: BucketLayout
+    strategy: Strategy
+    finds_stacks: bool = False
+
+    @property
+    def passes_off(self) -> tuple[str, ...]:
+        """XLA passes the step compiles without: those its collectives need off
+        (:meth:`jaxdp._src.comm.per_param.AllReduceOps.passes_off`)."""
+        return self.strategy.ops.passes_off()
+
+
+def read_sharding(
+    params: Any, group: ReductionGroup, config: DDPConfig, param_specs: Any, previous: Plan | None
+) -> ShardingPlan:
+    """The params' non-data shardings. Under ``jax.eval_shape`` (tracer leaves carry no
+    sharding) the previous plan's are reused unless ``param_specs`` is given."""
+    tracers = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
+    if param_specs is None and previous is not None and tracers:
+        treedef = jax.tree_util.tree_structure(params)
+        param_specs = jax.tree_util.tree_unflatten(
+            treedef, [ls.pspec for ls in previous.sharding.leaves]
+        )
+    return ShardingPlan.from_params(
+        params,
+        group.mesh,
+        config.data_axis,
+        param_specs,
+        expert_axis=config.expert_axis,
+        expert_patterns=config.expert_param_patterns,
+    )
+
+
+def _layout(
+    loss_fn: Any,
+    params: Any,
+    config: DDPConfig,
+    group: ReductionGroup,
+    sharding: ShardingPlan,
+    example_batch: Any,
+    previous: Plan | None,
+) -> BucketLayout:
+    dp = group.size
+    if not sharding.trivial:  # the layout of the rank-local blocks; stacks are not detected
+        return BucketLayout.from_params(
+            sharding.local_params(params), config, dp, shard_axes=sharding.buffer_keys()
+        )
+    stacks: dict[int, int] = {}
+    if finds_stacks(config):
+        prev = dict(previous.layout.stacked) if previous is not None else None
+        stacks = find_stacks(loss_fn, params, example_batch, config, dp, prev)
+    return BucketLayout.from_params(params, config, dp, stacked=stacks)
+
+
+def _ops(
+    config: DDPConfig,
+    layout: BucketLayout,
+    group: ReductionGroup,
+    sharding: ShardingPlan,
+    divisor: int,
+) -> PlainOps:
+    """The gradient / param collectives' operations: nested regions when some parameter is
+    split over an axis the step is not manual over (tensor parallelism); per parameter at
+    stages 1-2 where :func:`jaxdp._src.comm.per_param.per_parameter_collectives` allows it, and at
+    stage 0 where :func:`jaxdp._src.comm.per_param.per_parameter_all_reduce` does; else per bucket.
+    ``divisor``: what the loss divides the gradients by
+    (:mod:`jaxdp._src.strategy.loss_divisor`)."""
+    args = (layout, config, group, sharding, divisor)
+    if sharding.auto_axes:
+        return NestedOps(*args)
+    if config.zero_stage in (1, 2) and per_parameter_collectives(config, layout):
+        return PerParamOps(*args)
+    if config.zero_stage == 3 and reduces_per_parameter(config, layout):
+        return PerParamOps(*args)
+    if config.zero_stage == 0 and per_parameter_all_reduce(config, layout):
+        return AllReduceOps(*args)
+    return PlainOps(*args)
+
+
+def _codecs(config: DDPConfig, layout: BucketLayout, sharding: ShardingPlan) -> tuple[Codec, Codec]:
+    """``(params codec, sharded view codec)``."""
+    plain = ParamCodec(layout, sharding)
+    if config.zero_stage == 0:
+        return plain, plain
+    if not sharding.trivial:
+        return plain, BlockCodec(layout, sharding)
+    view_cls = MegatronCodec if layout.kind == "megatron" else InterleavedCodec
+    return plain, view_cls(layout, sharding)
+
+
+def _strategy(
+    config: DDPConfig,
+    layout: BucketLayout,
+    sharding: ShardingPlan,
+    group: ReductionGroup,
+    optimizer: optax.GradientTransformation,
+) -> Strategy:
+    plain, view = _codecs(config, layout, sharding)
+    g, stage = config.num_microbatches, config.zero_stage
+    # Stages 0-2 divide the gradients through the loss where that gives the same bits (a
+    # power of two); stage 3 reduces inside its gathers' transpose and divides there.
+    divisor = loss_divisor(config, layout, group.bucket_groups(layout)) if stage < 3 else 1
+    common = dict(
+        config=config,
+        layout=layout,
+        sharding=sharding,
+        group=group,
+        optimizer=optimizer,
+        ops=_ops(config, layout, group, sharding, divisor),
+        # The step is manual over the group's axes; on a mesh whose other axes hold no split
+        # parameter, over all of them (the params are whole there).
+        axis_names=set(group.mesh.axis_names if sharding.trivial else group.manual_axes),
+    )
+    # With micro-batches, accumulate per parameter (the GEMM's epilogue can do the add) where
+    # the params are whole on each device; nested regions keep bucket accumulators.
+    per_param_acc = g > 1 and not isinstance(common["ops"], NestedOps)
+    # Kernels that reduce after the loop peel its last micro-batch out of it, so that its
+    # backward overlaps the collectives (jaxdp._src.strategy.local.local_gradients). With one rank
+    # there
+    # are none, and with overlap_grad_reduce=False none is wanted: the copy of the model
+    # would only double what XLA compiles (one H200, 303M GPT, G = 4: the peeled stage 1
+    # compiled in 1.94x of the bare step's time, stage 2, which never peels, in 1.16x).
+    peel = group.size > 1 and config.overlap_grad_reduce
+    kernel: Callable[..., Any]
+    if stage == 0:
+        # Whole-parameter buckets all-reduced with a psum: the metric sums wait for them, so
+        # that XLA does not combine a scalar into a bucket's all-reduce (ReduceAtEnd). Not
+        # tensor-parallel buckets (NestedOps): one element of a bucket split over the model
+        # axes would have to be sent to the other model ranks to be waited for.
+        psum_buckets = common["ops"].packs_whole_buckets and not (
+            config.reduce_scatter_with_fp32_accumulation or config.deterministic_reduction
+        )
+        kernel = functools.partial(
+            ReduceAtEndPerParam if per_param_acc else ReduceAtEnd,
+            peel_last=peel,
+            order_metrics=psum_buckets and group.size > 1,
+        )
+        return Replicated(
+            kernel=kernel,
+            master_codec=plain,
+            params_codec=plain,
+            per_parameter=isinstance(common["ops"], AllReduceOps),
+            **common,
+        )
+    if stage in (1, 2):
+        early = config.overlap_param_gather  # params kept sharded, gathered up front
+        if stage == 2 and g > 1:
+            kernel = functools.partial(ReduceEachMicrobatch, gather_first=early)
+        else:
+            each = ScatterAtEndPerParam if per_param_acc else ScatterAtEnd
+            kernel = functools.partial(each, gather_first=early, peel_last=peel)
+        per_parameter = isinstance(common["ops"], PerParamOps)
+        return ShardedOpt(
+            kernel=kernel,
+            master_codec=view,
+            params_codec=view if early else plain,
+            params_sharded=early,
+            scatters_per_step=g if stage == 2 else 1,
+            per_parameter=per_parameter,
+            # one flat view per parameter, every parameter whole on each device: the gather
+            # after the update is the partitioner's (ShardedOpt._gather_global)
+            gathers_globally=per_parameter and sharding.trivial,
+            **common,
+        )
+    # stage 3: scanned layer stacks are gathered one layer per scan iteration
+    vg = zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad
+    if names_dot_operands(config):  # the policy saves what XLA's attention reads
+        vg = _naming_dot_operands(vg)
+    pre: Callable[..., Any] = layout.shard_unview if layout.stacked else (lambda v: v)
+    kernel = functools.partial(GatherInGrad, value_and_grad=vg, pre=pre)
+    return ShardedParams(
+        kernel=kernel,
+        master_codec=view,
+        params_codec=view,
+        per_parameter=gathers_per_parameter(layout),
+        **common,
+    )
+
+
+def _naming_dot_operands(vg: Callable[..., Any]) -> Callable[..., Any]:
+    """Stage 3's value-and-grad builder, given the loss with its batched dots' operands named
+    (:func:`jaxdp._src.zero3.dot_operands.name_batched_dot_operands`)."""
+
+    def build(parts: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return vg(name_batched_dot_operands(parts), *args, **kw)
+
+    return build
+
+
+def build_plan(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    config: DDPConfig,
+    group: ReductionGroup,
+    params: Any,
+    *,
+    param_specs: Any = None,
+    example_batch: Any = None,
+    previous: Plan | None = None,
+) -> Plan:
+    """Decide everything (module docstring). ``previous``: the plan of an earlier ``init`` of
+    the same engine (its stacks and shardings are kept; another model is refused)."""
+    sharding = read_sharding(params, group, config, param_specs, previous)
+    check_supported(config, sharding)
+    layout = _layout(loss_fn, params, config, group, sharding, example_batch, previous)
+    if previous is not None and previous.layout != layout:
+        raise ValueError(
+            "DataParallel.init: these params have a different structure, shapes or dtypes "
+            "than the ones this engine was initialised with. Fix: build a new DataParallel "
+            "for a different model."
+        )
+    strategy = _strategy(config, layout, sharding, group, optimizer)
+    if previous is None or previous.strategy.optimizer is not optimizer:
+        # a re-init with the same optimizer (and, checked above, the same layout) passed before
+        check_optimizer(optimizer, layout, strategy.master_dtype)
+    return Plan(
+        group=group,
+        sharding=sharding,
+        layout=layout,
+        strategy=strategy,
+        finds_stacks=finds_stacks(config) and sharding.trivial,
+    )
