@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_fusion
 import bench_gpu
 
-from jaxdp import DataParallel, DDPConfig, _kernels
+from jaxdp import DataParallel, DDPConfig
+from jaxdp._src.strategy import kernels as _kernels
 from jaxdp.nn import _fusion
 
 G = 8

@@ -14,9 +14,9 @@ _exclude_engine_frames()  # operations' source locations start at the user's cod
 from . import aot as aot
 from . import nn as nn
 from . import testing as testing
+from ._src.comm.public import reduce_buckets as reduce_buckets
+from ._src.comm.public import reduce_gradients as reduce_gradients
 from ._src.comm.reduce import all_to_all_fp32_reduce_scatter as all_to_all_fp32_reduce_scatter
-from ._src.comm.reduce import reduce_buckets as reduce_buckets
-from ._src.comm.reduce import reduce_gradients as reduce_gradients
 from ._src.comm.reduce import ring_reduce_scatter as ring_reduce_scatter
 from ._src.config.config import AUTO_BUCKET_SIZE as AUTO_BUCKET_SIZE
 from ._src.config.config import DDPConfig as DDPConfig

@@ -29,7 +29,8 @@ from jax.ad_checkpoint import checkpoint_name
 from test_remat_policy import exact_step, stage3_engine
 
 import jaxdp
-from jaxdp import DataParallel, DDPConfig, _dot_operands
+from jaxdp import DataParallel, DDPConfig
+from jaxdp._src.zero3 import dot_operands as _dot_operands
 from jaxdp._src.zero3.dot_operands import name_batched_dot_operands
 from jaxdp._src.zero3.remat import DOT_OPERAND, GATHERED, gemm_policy, remat_policy_for
 
@@ -175,7 +176,7 @@ def test_stage3_names_them_for_gemm_and_dots(loss_fn, make_params, policy):
     names = _step_names(dp, state, batch)
     want = policy in ("gemm", "dots")
     assert (DOT_OPERAND in names) == want, (policy, set(names))
-    assert remat_policy_for(cfg)  # the policy exists for every value
+    assert remat_policy_for(cfg.remat_policy)  # the policy exists for every value
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback on these models
         dp.step(state, batch)

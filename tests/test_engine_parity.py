@@ -447,7 +447,8 @@ def test_gpu_programs_match_the_cpu_ones(data, monkeypatch, stage, g, extra, dp_
     (a few parameters at a time on GPUs, over rebuilt buckets on XLA:CPU). Run the GPU's
     programs here, with the platform forced: the norm enters no update (no clipping), so the
     params are the same bit for bit."""
-    from jaxdp import _group, make_mesh
+    from jaxdp import make_mesh
+    from jaxdp._src.topology import group as _group
 
     params, batches = data
     opt = optax.adamw(1e-2, weight_decay=0.1)

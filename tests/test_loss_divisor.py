@@ -11,6 +11,7 @@ import pytest
 import jaxdp
 import jaxdp._src.strategy.plan as plan_module
 from jaxdp import BucketLayout, DDPConfig
+from jaxdp._src.comm.public import wire_of
 from jaxdp._src.strategy.loss_divisor import loss_divisor, value_and_divided_grad
 from jaxdp._src.topology.group import BucketGroup
 
@@ -63,10 +64,20 @@ def _groups(layout, size, prediv=1):
         (8, 1, {"main_grads_dtype": "float16"}, 1),
     ],
 )
+def _divisor(cfg, layout, groups):
+    return loss_divisor(
+        layout,
+        groups,
+        wire_of(cfg),
+        num_microbatches=cfg.num_microbatches,
+        param_dtype=cfg.param_dtype,
+    )
+
+
 def test_where_the_loss_carries_the_divisor(dp, g, kw, want):
     cfg = DDPConfig(num_microbatches=g, **kw)
     layout = BucketLayout.from_params(_params(), cfg, dp)
-    assert loss_divisor(cfg, layout, _groups(layout, dp)) == want
+    assert _divisor(cfg, layout, _groups(layout, dp)) == want
 
 
 def test_expert_buckets_share_the_dense_divisor():
@@ -75,10 +86,10 @@ def test_expert_buckets_share_the_dense_divisor():
     dense = BucketGroup("data", 8)
     expert = BucketGroup("data", 4, prediv=2, expert=True)
     groups = [dense if i % 2 else expert for i in range(len(layout.buckets))]
-    assert loss_divisor(cfg, layout, groups) == 8
+    assert _divisor(cfg, layout, groups) == 8
     odd = [dense if i % 2 else BucketGroup("data", 4, 1, True) for i in range(len(groups))]
     if len(layout.buckets) > 1:
-        assert loss_divisor(cfg, layout, odd) == 1
+        assert _divisor(cfg, layout, odd) == 1
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

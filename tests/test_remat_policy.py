@@ -118,10 +118,7 @@ def test_policies_save_what_they_document():
         return jnp.einsum("bqk,bkd->bqd", s, h)  # one no larger than an operand (context)
 
     args = (jnp.ones((64,), jnp.float32), jnp.ones((2, 16, 8), jnp.bfloat16))
-    saved = {
-        p: _saved(remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p)), layer, *args)
-        for p in REMAT_POLICIES
-    }
+    saved = {p: _saved(remat_policy_for(p), layer, *args) for p in REMAT_POLICIES}
     names = [n for n, _ in saved["gemm"]]
     assert names == [
         "name", "convert_element_type", "reshape", "transpose", "dot_general", "tanh",
@@ -142,13 +139,13 @@ def test_policies_save_what_they_document():
     for name in (SCAN_CARRY, DOT_OPERAND):
         eqn = jax.make_jaxpr(lambda h, n=name: checkpoint_name(h, n))(args[1]).jaxpr.eqns[0]
         for p in REMAT_POLICIES:
-            policy = remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p))
+            policy = remat_policy_for(p)
             assert policy(eqn.primitive, eqn.invars[0].aval, **eqn.params) == (p != "nothing")
     # every primitive "everything" treats as layout is refused by every policy
     for name in _LAYOUT_PRIMITIVES:
         prim = jax.extend.core.Primitive(name)
         for p in REMAT_POLICIES:
-            assert not remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p))(prim), (p, name)
+            assert not remat_policy_for(p)(prim), (p, name)
 
 
 def test_gemm_and_dots_save_cudnn_fused_attention():
@@ -159,10 +156,7 @@ def test_gemm_and_dots_save_cudnn_fused_attention():
     attention recomputed, 1.040x with it saved), so the default keeps them."""
     for name in ("dot_product_attention_fwd_wrapper", "dot_product_attention_fp8_fwd_wrapper"):
         prim = jax.extend.core.Primitive(name)
-        saved = {
-            p: remat_policy_for(DDPConfig(zero_stage=3, remat_policy=p))(prim)
-            for p in REMAT_POLICIES
-        }
+        saved = {p: remat_policy_for(p)(prim) for p in REMAT_POLICIES}
         assert saved == {"gemm": True, "dots": True, "everything": True, "nothing": False}
 
 

@@ -191,7 +191,7 @@ def test_stage3_accumulates_each_parameter_on_its_own(h100, g, fp32_wire):
     fp32 wire the buckets are packed and reduced whole, which is how the check is checked."""
     from jaxdp import aot
     from jaxdp._src.comm.per_param import PerParamOps
-    from jaxdp._src.zero3.gather import reduces_per_parameter
+    from jaxdp._src.strategy.plan import reduces_per_parameter
 
     loss_fn, params, batch = aot.example_mlp(layers=6, width=128, batch=64)
     cfg = DDPConfig(

@@ -141,7 +141,7 @@ class Reference:
         key = jax.random.fold_in(rng, step) if call.rng else None
 
         def parts(p: Any, mb: Any) -> Any:
-            return loss_parts(self.loss_fn, cfg, p, mb, call)
+            return loss_parts(self.loss_fn, cfg.calculate_per_token_loss, p, mb, call)
 
         grad_fn = jax.value_and_grad(parts, has_aux=True)
 

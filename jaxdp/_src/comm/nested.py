@@ -26,20 +26,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..config.config import DDPConfig
 from ..layout.layout import BucketLayout
 from ..topology.group import ReductionGroup
 from ..topology.sharding import ShardingPlan
-from ..zero3.gather import gather_buckets, gather_full
+from .gather import gather_buckets, gather_full
 from .reduce import (
     UNPACKED_OVER,
     Unpacked,
-    _divided,
-    _float_for_sum,
-    _reduce_one,
-    _then,
+    divided,
+    float_for_sum,
     metric_sum,
+    reduce_one,
+    then,
 )
+from .wire import Wire
 
 __all__ = ["NestedOps", "PlainOps", "square_sums"]
 
@@ -78,12 +78,12 @@ class PlainOps:
     def __init__(
         self,
         layout: BucketLayout,
-        config: DDPConfig,
+        wire: Wire,
         group: ReductionGroup,
         plan: ShardingPlan,
         loss_divisor: int = 1,
     ):
-        self.layout, self.config, self.group, self.plan = layout, config, group, plan
+        self.layout, self.wire, self.group, self.plan = layout, wire, group, plan
         self.axis = group.axes
         self.groups = group.bucket_groups(layout)
         # > 1: the kernel divides the loss by it, so the gradients arrive divided by G x dp
@@ -136,7 +136,7 @@ class PlainOps:
 
     def group_sum(self, x: jax.Array) -> jax.Array:
         """Sum a per-rank value over the group (ordered with ``deterministic_reduction``)."""
-        return metric_sum(x, self.config, self.axis)
+        return metric_sum(x, self.axis, self.wire.ordered_metrics)
 
     def numels(self, sharded: bool) -> list[int]:
         """Elements of each accumulator: a bucket (``sharded``: its shard)."""
@@ -161,11 +161,11 @@ class PlainOps:
         lay = self.layout
         if not self.packs_whole_buckets or lay.kind != "contiguous":
             return self.pack(grads, dtype)
-        leaves = lay._check_tree(grads, "pack")
+        leaves = lay.check_tree(grads, "pack")
         return tuple(
             Unpacked(lay, b, leaves, dtype)
             if len(b.slots) > UNPACKED_OVER
-            else lay._pack_contiguous(b, leaves, jnp.dtype(dtype))
+            else lay.pack_contiguous(b, leaves, jnp.dtype(dtype))
             for b in lay.buckets
         )
 
@@ -174,19 +174,19 @@ class PlainOps:
     ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
         out, divs = [], []
         for x, b, grp in zip(flat, self.reduce_buckets, self.reduce_groups, strict=True):
-            if grp.prediv != 1 and not (self.config.calculate_per_token_loss or self.divided):
+            if grp.prediv != 1 and not (self.wire.per_token or self.divided):
                 d = grp.prediv
-                x = _then(x, lambda v, d=d: _divided(v, d, _float_for_sum(v.dtype)))
-            red, div = _reduce_one(
+                x = then(x, lambda v, d=d: divided(v, d, float_for_sum(v.dtype)))
+            red, div = reduce_one(
                 x,
                 b,
                 self.layout,
-                self.config,
+                self.wire,
                 g,
                 deferred,
                 axis=grp.axes,
                 dp=grp.size,
-                divided=self.divided,
+                prescaled=self.divided,
             )
             out.append(red)
             divs.append(div)
@@ -217,7 +217,7 @@ class PlainOps:
 
     def gather_end(self, view: Any, axis: Any, last: Any) -> Any:
         """The end-of-step gather (stages 1-2): this device's shard view -> its full params,
-        each bucket waiting for ``last`` (:func:`jaxdp._src.zero3.gather.gather_buckets`)."""
+        each bucket waiting for ``last`` (:func:`jaxdp._src.comm.gather.gather_buckets`)."""
         return gather_buckets(self.layout.shard_unview(view), self.layout, axis, last)
 
     def place(self, fn: Any, view: Any, accs: Any, flags: Any) -> Any:

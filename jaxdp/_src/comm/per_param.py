@@ -12,14 +12,15 @@ out), and the combiner thresholds :func:`jaxdp.combine_thresholds` sets from the
 group them into bucket-sized collectives, as stage 3 already does.
 
 The numerics are the bucketed path's: each parameter goes through the same
-:func:`jaxdp._src.comm.reduce._reduce_one` with its bucket's wire dtype and divisors (elementwise,
+:func:`jaxdp._src.comm.reduce.reduce_one` with its bucket's wire dtype and divisors (elementwise,
 the
 same sums over the same ranks). The all_to_all modes (``reduce_scatter_with_fp32_accumulation``,
 ``deterministic_reduction``) and ``bucket_layout="megatron"`` keep explicit buckets
-(:func:`per_parameter_collectives`).
+(:func:`jaxdp._src.strategy.plan.per_parameter_collectives`).
 
 Stage 0 all-reduces per parameter the same way (:class:`AllReduceOps`,
-:func:`per_parameter_all_reduce`): no bucket to pack before the ``psum`` and none to slice
+:func:`jaxdp._src.strategy.plan.per_parameter_all_reduce`): no bucket to pack before the ``psum``
+and none to slice
 into every optimizer update after it. On GPUs this needs one XLA pass off for the step
 (:data:`PASSES_OFF`, which :meth:`AllReduceOps.passes_off` asks for and the engine merges into
 the step's compiler options): ``all-reduce-contiguous`` copies the operands of every combined
@@ -37,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config.config import DDPConfig
 from ..layout.layout import BucketLayout
 from .nested import PlainOps
 
@@ -47,21 +47,7 @@ __all__ = [
     "AllReduceOps",
     "PerParamOps",
     "gather_leaves",
-    "per_parameter_all_reduce",
-    "per_parameter_collectives",
 ]
-
-
-def per_parameter_collectives(config: DDPConfig, layout: BucketLayout) -> bool:
-    """Whether a stage-1/2 engine with params whole on each device reduces and gathers per
-    parameter: the interleaved layout without scanned stacks, a reduce-scatter on the wire
-    (the all_to_all modes sum explicit buckets)."""
-    return (
-        layout.kind == "interleaved"
-        and not layout.stacked
-        and not config.reduce_scatter_with_fp32_accumulation
-        and not config.deterministic_reduction
-    )
 
 
 #: XLA passes a step that all-reduces per parameter on GPUs compiles without: XLA:GPU's
@@ -75,27 +61,6 @@ PASSES_OFF: Final = ("all-reduce-contiguous",)
 #: Reduced gradients per concatenation the gradient norm sums on GPUs (:class:`_PerParameter`;
 #: 8 compiled fastest of 4, 8, 16 and 32 for 8 H100s at 300 leaves).
 NORM_CHUNK: Final = 8
-
-
-def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout) -> bool:
-    """Whether a stage-0 engine with params whole on each device all-reduces per parameter:
-    a ``psum`` on the wire (the all_to_all modes reduce-scatter explicit, padded buckets) over
-    the contiguous layout without scanned stacks. On every platform: on GPUs with
-    :data:`PASSES_OFF` for the step (:meth:`AllReduceOps.passes_off`).
-
-    Compiled for 8 H100s (XLA compile, least of three in one process, rounds alternating with
-    the bucketed path): a 100-leaf MLP 2.08 s against the buckets' 2.62 (plain ``jit`` 1.80),
-    since the updates no longer read slices of a bucket at their own offsets, which XLA's
-    multi-output fusion had merged into a few large kernels, each compiled on its own (1,000
-    leaves: 20 GPU modules against the buckets' 88 and plain ``jit``'s 17); the 100.7M GPT
-    moves 44.86 gradient volumes per step against the buckets' 45.44 (fp32 wire 45.86 against
-    46.94), with no gradient concatenation."""
-    return (
-        layout.kind == "contiguous"
-        and not layout.stacked
-        and not config.reduce_scatter_with_fp32_accumulation
-        and not config.deterministic_reduction
-    )
 
 
 def nccl_collectives(platform: str, dp_size: int) -> bool:
@@ -177,14 +142,14 @@ class _PerParameter(PlainOps):
         d = ds.pop() if len(ds) == 1 else 1
         dtype = red[b.slots[0]].dtype
         if d == 1 or d & (d - 1):
-            return self.layout._fill(b, {i: red[i] for i in b.slots}, dtype)
+            return self.layout.fill(b, {i: red[i] for i in b.slots}, dtype)
         up, down = np.asarray(d, dtype), np.asarray(1.0 / d, dtype)
-        return self.layout._fill(b, {i: red[i] * up for i in b.slots}, dtype) * down
+        return self.layout.fill(b, {i: red[i] * up for i in b.slots}, dtype) * down
 
 
 class AllReduceOps(_PerParameter):
     """Stage 0 with one all-reduce per parameter, combined by XLA
-    (:func:`per_parameter_all_reduce`).
+    (:func:`jaxdp._src.strategy.plan.per_parameter_all_reduce`).
 
     The bucketed path packs every gradient into its bucket before the ``psum`` and slices each
     one back out afterwards; XLA fuses those slices into the optimizer's updates, and on
@@ -203,7 +168,7 @@ class AllReduceOps(_PerParameter):
         return [s.size for s in self.layout.slots]
 
     def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
-        leaves = self.layout._check_tree(grads, "pack")
+        leaves = self.layout.check_tree(grads, "pack")
         return tuple(jnp.ravel(g).astype(dtype) for g in leaves)
 
     def out_full(self, red: Sequence[jax.Array]) -> Any:
@@ -220,8 +185,8 @@ class PerParamOps(_PerParameter):
         return [(s.end - s.start) * dp for s in self.layout.slots]
 
     def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
-        leaves = self.layout._check_tree(grads, "pack")
-        return tuple(self.layout._leaf_to_global(i, g, dtype) for i, g in enumerate(leaves))
+        leaves = self.layout.check_tree(grads, "pack")
+        return tuple(self.layout.leaf_to_global(i, g, dtype) for i, g in enumerate(leaves))
 
     def out_shards(self, red: Sequence[jax.Array]) -> Any:
         return jax.tree_util.tree_unflatten(self.layout.treedef, list(red))
@@ -244,7 +209,7 @@ def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any) -> Any
     """This rank's per-parameter shards (working dtype) -> the full params: one ``all_gather``
     per parameter, typed as identical on every rank, for XLA to combine.
 
-    Unlike a bucket's gather (:func:`jaxdp._src.zero3.gather.gather_buckets`), these need no
+    Unlike a bucket's gather (:func:`jaxdp._src.comm.gather.gather_buckets`), these need no
     ordering:
     a gathered parameter is the param itself, reshaped (or, where the layout padded it to a
     multiple of dp, sliced), not a bucket that stays alive until it is split. The data

@@ -18,19 +18,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config.config import DDPConfig
 from ..layout.layout import Bucket, BucketLayout
+from .wire import Wire
 
 __all__ = [
+    "Unpacked",
+    "all_to_all_fp32_reduce_scatter",
+    "check_count",
+    "divided",
+    "finish_deferred",
+    "float_for_sum",
     "metric_sum",
     "ordered_reduce_scatter",
     "ordered_sum",
-    "reduce_buckets",
-    "reduce_gradients",
-    "all_to_all_fp32_reduce_scatter",
-    "finish_deferred",
-    "reduce_microbatch_buckets",
+    "reduce_one",
     "ring_reduce_scatter",
+    "then",
 ]
 
 
@@ -68,7 +71,7 @@ def ring_reduce_scatter(x: jax.Array, axis_name: str, dp: int) -> jax.Array:
     return partial
 
 
-def _float_for_sum(wire: Any) -> Any:
+def float_for_sum(wire: Any) -> Any:
     """The dtype a sum over ranks is carried in: fp32, or the wire dtype when it is wider."""
     wire = jnp.dtype(wire)
     return wire if wire.itemsize >= 4 else jnp.dtype(jnp.float32)
@@ -106,11 +109,10 @@ def ordered_sum(x: jax.Array, axis_name: str) -> jax.Array:
     return jnp.sum(_all_gather_invariant(x, axis_name, tiled=False), axis=0)
 
 
-def metric_sum(x: jax.Array, config: DDPConfig, axis: Any = None) -> jax.Array:
-    """Sum a per-rank metric over ``axis`` (default ``config.data_axis``; ordered under
-    ``config.deterministic_reduction``, else a ``psum``)."""
-    axis = config.data_axis if axis is None else axis
-    if config.deterministic_reduction:
+def metric_sum(x: jax.Array, axis: Any, ordered: bool = False) -> jax.Array:
+    """Sum a per-rank metric over ``axis``: in rank order where ``ordered``
+    (:attr:`Wire.ordered_metrics`), else a ``psum``."""
+    if ordered:
         return ordered_sum(x, axis)
     return jax.lax.psum(x, axis)
 
@@ -121,7 +123,7 @@ def _scaled(x: jax.Array, factor: float, dtype: Any) -> jax.Array:
     return x if factor == 1.0 else x * np.asarray(factor, dtype)
 
 
-def _divided(x: jax.Array, divisor: int, dtype: Any) -> jax.Array:
+def divided(x: jax.Array, divisor: int, dtype: Any) -> jax.Array:
     """``x / divisor`` correctly rounded in ``dtype`` (a division, not a rounded reciprocal).
 
     XLA's algebraic simplifier rewrites a division by a broadcast scalar into a multiplication
@@ -149,7 +151,7 @@ UNPACKED_OVER = 64
 
 
 class Unpacked:
-    """One contiguous bucket's gradients, not packed yet: :func:`_reduce_one` takes it in place
+    """One contiguous bucket's gradients, not packed yet: :func:`reduce_one` takes it in place
     of the packed bucket and applies its elementwise work before the collective (the cast to
     the wire dtype, the pre-scaling) to each gradient, then packs the results.
 
@@ -192,7 +194,7 @@ class Unpacked:
         fn = self.fn or (lambda v: v)
         pieces = {i: fn(jnp.ravel(self.leaves[i]).astype(self.dtype)) for i in self.bucket.slots}
         dt = next(iter(pieces.values())).dtype
-        return self.layout._fill(self.bucket, pieces, dt)
+        return self.layout.fill(self.bucket, pieces, dt)
 
 
 def _apply(x: Any, fn: Any) -> jax.Array:
@@ -201,31 +203,31 @@ def _apply(x: Any, fn: Any) -> jax.Array:
     return x.map(fn).packed() if isinstance(x, Unpacked) else fn(x)
 
 
-def _then(x: Any, fn: Any) -> Any:
+def then(x: Any, fn: Any) -> Any:
     """``fn(x)``, or ``fn`` queued on an :class:`Unpacked` bucket (still not packed)."""
     return x.map(fn) if isinstance(x, Unpacked) else fn(x)
 
 
-def _reduce_one(
+def reduce_one(
     x: Any,
     b: Bucket,
     layout: BucketLayout,
-    config: DDPConfig,
+    wire: Wire,
     num_microbatches: int,
     deferred: bool = False,
     *,
-    axis: Any = None,
+    axis: Any,
     dp: int | None = None,
-    divided: bool = False,
+    prescaled: bool = False,
 ) -> tuple[jax.Array, int]:
     """One bucket's collective. Every scaling is done in fp32 (or wider) before any rounding.
 
     ``x``: the packed bucket, or its :class:`Unpacked` gradients (then the elementwise work
     before the collective is done gradient by gradient, and they are packed after it).
 
-    ``axis`` / ``dp`` (default ``config.data_axis`` / ``layout.dp_size``) name the bucket's
-    reduction group when it is not the data axis (:class:`jaxdp._src.topology.group.BucketGroup`).
-    ``divided``: ``x`` is already divided by ``G x dp`` (the loss was,
+    ``axis`` / ``dp`` (default ``layout.dp_size``) name the bucket's reduction group
+    (:class:`jaxdp._src.topology.group.BucketGroup`); ``wire`` says how it reduces.
+    ``prescaled``: ``x`` is already divided by ``G x dp`` (the loss was,
     :mod:`jaxdp._src.strategy.loss_divisor`); the collective sums it and divides by nothing.
 
     Returns ``(reduced, divisor)``. With ``deferred=False`` the result is final (``divisor`` is
@@ -234,19 +236,18 @@ def _reduce_one(
     divisor the caller applies once to the accumulated sum (:func:`finish_deferred`), so the
     micro-batch sum is never rounded to a scaled value before it is complete.
     """
-    axis = config.data_axis if axis is None else axis
     dp = layout.dp_size if dp is None else dp
     g = num_microbatches
-    wire = jnp.dtype(b.grad_dtype)
-    acc = _float_for_sum(wire)
+    wdt = jnp.dtype(b.grad_dtype)  # this bucket's wire dtype
+    acc = float_for_sum(wdt)
     scatter = layout.kind != "contiguous"
     # Per-token loss: the engine divides by the global token count after the reduction.
-    # Divided: the loss carried the divisor (its power of two commutes with every rounding).
-    per_token = config.calculate_per_token_loss or divided
+    # Prescaled: the loss carried the divisor (its power of two commutes with every rounding).
+    per_token = wire.per_token or prescaled
     g_div = 1 if per_token else g
     dp_div = 1 if per_token else dp
 
-    if config.reduce_scatter_with_fp32_accumulation or config.deterministic_reduction:
+    if wire.all_to_all:
         # all_to_all on the wire, then a local sum in fp32. The 1/G of micro-batch accumulation
         # is applied before the cast (the value on the wire has the magnitude of one gradient;
         # with G = 1, or per micro-batch at stage 2, nothing is scaled, so bf16 gradients
@@ -254,23 +255,23 @@ def _reduce_one(
         # the wire dtype (Megatron pre-scales by 1/dp in bf16, inexact unless dp = 2**k).
         n = x.shape[0]
         pad = (-n) % dp  # contiguous (stage-0) buckets need not divide by dp
-        sent = _apply(x, lambda v: _divided(v, 1 if deferred else g_div, acc).astype(wire))
+        sent = _apply(x, lambda v: divided(v, 1 if deferred else g_div, acc).astype(wdt))
         if pad:
             sent = jnp.pad(sent, (0, pad))
         total = ordered_reduce_scatter(sent, axis, dp, acc)
         if deferred and scatter:
             return total, g_div * dp_div
-        out = _divided(total, dp_div, acc)
+        out = divided(total, dp_div, acc)
         if scatter:
-            return out.astype(wire), 1
-        full = _all_gather_invariant(out.astype(wire), axis, tiled=True)
+            return out.astype(wdt), 1
+        full = _all_gather_invariant(out.astype(wdt), axis, tiled=True)
         return (full[:n] if pad else full), 1
 
-    if wire.itemsize >= 4:
+    if wdt.itemsize >= 4:
         # An fp32 (or wider) wire: cast first (exact for bf16 gradients), sum unscaled, then
         # divide once by G * dp. No rounding of the gradients happens before the sum. (With
-        # ``divided`` the loss carried the power-of-two G * dp: div is 1, nothing to scale.)
-        x = _then(x, lambda v: v.astype(wire))
+        # ``prescaled`` the loss carried the power-of-two G * dp: div is 1, nothing to scale.)
+        x = then(x, lambda v: v.astype(wdt))
         div = g_div * dp_div
         if not scatter and div & (div - 1) == 0:
             # An all-reduce and a power of two: scaling before the sum rounds exactly as after
@@ -278,16 +279,16 @@ def _reduce_one(
             # a pass of its own over the reduced gradient, which the norm and the update both
             # read. (A reduce-scatter's shard is scaled after: 1/dp of the elements, fused
             # into the update.)
-            return jax.lax.psum(_apply(x, lambda v: _divided(v, div, wire)), axis), 1
+            return jax.lax.psum(_apply(x, lambda v: divided(v, div, wdt)), axis), 1
         x = _apply(x, lambda v: v)
         out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
         if deferred and scatter:
             return out, div
-        return _divided(out, div, wire), 1
+        return divided(out, div, wdt), 1
 
     # A low-precision wire without fp32 accumulation (NCCL's bf16 ring): pre-scale in fp32 and
     # round once to the wire dtype; the collective itself sums in the wire dtype.
-    avg = config.average_in_collective and not per_token
+    avg = wire.average_in_collective and not per_token
     pre = g_div if avg else g_div * dp_div
     if deferred and scatter and not avg and g == 1 and pre & (pre - 1) == 0:
         # A power of two commutes with every rounding of the sum (barring subnormals), so
@@ -297,45 +298,21 @@ def _reduce_one(
         # 3). Not with micro-batches: there each one's shard is scaled before it is
         # accumulated, which kept the loop's buffers smaller (ZeRO-3, G = 4, 8 H100s: 3.70
         # against 3.82 bytes per parameter unscaled).
-        return _psum_scatter(_apply(x, lambda v: v.astype(wire)), axis), pre
-    x = _apply(x, lambda v: _divided(v, pre, acc).astype(wire))
+        return _psum_scatter(_apply(x, lambda v: v.astype(wdt)), axis), pre
+    x = _apply(x, lambda v: divided(v, pre, acc).astype(wdt))
     out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
     if avg:
-        out = _divided(out, dp, acc).astype(wire)
+        out = divided(out, dp, acc).astype(wdt)
     return out, 1
 
 
-def reduce_microbatch_buckets(
-    buckets: Sequence[jax.Array],
-    layout: BucketLayout,
-    config: DDPConfig,
-    *,
-    num_microbatches: int,
-) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
-    """Reduce-scatter one micro-batch's buckets for a sharded accumulator (ZeRO stage 2).
-
-    Returns ``(shards, divisors)``, one divisor per bucket: add the shards of all
-    ``num_microbatches`` micro-batches in fp32, then call :func:`finish_deferred` with
-    ``divisors`` once. In the fp32 modes a bucket's shards are unscaled fp32 sums (the mean is
-    formed by one correctly rounded division at the end); with a low-precision wire they are
-    already scaled, with divisor 1 (with ``num_microbatches=1`` and a power-of-two ``dp``:
-    unscaled wire sums and divisor ``dp``, the same bits after the division).
-    """
-    _check_count(buckets, layout, "reduce_microbatch_buckets")
-    outs = [
-        _reduce_one(x, b, layout, config, num_microbatches, deferred=True)
-        for x, b in zip(buckets, layout.buckets, strict=True)
-    ]
-    return tuple(o for o, _ in outs), tuple(d for _, d in outs)
-
-
 def finish_deferred(acc: Sequence[jax.Array], divisors: Sequence[int]) -> tuple[jax.Array, ...]:
-    """Divide each accumulated :func:`reduce_microbatch_buckets` shard by its divisor
+    """Divide each accumulated deferred shard (:func:`reduce_one`) by its divisor
     (correctly rounded), in its own dtype."""
-    return tuple(_divided(a, d, a.dtype) for a, d in zip(acc, divisors, strict=True))
+    return tuple(divided(a, d, a.dtype) for a, d in zip(acc, divisors, strict=True))
 
 
-def _check_count(buckets: Sequence[jax.Array], layout: BucketLayout, who: str) -> None:
+def check_count(buckets: Sequence[jax.Array], layout: BucketLayout, who: str) -> None:
     if len(buckets) != len(layout.buckets):
         raise ValueError(
             f"{who}: got {len(buckets)} buckets; the layout has "
@@ -345,65 +322,3 @@ def _check_count(buckets: Sequence[jax.Array], layout: BucketLayout, who: str) -
 
 def _psum_scatter(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
-
-
-def reduce_buckets(
-    buckets: Sequence[jax.Array],
-    layout: BucketLayout,
-    config: DDPConfig,
-    *,
-    num_microbatches: int = 1,
-) -> tuple[jax.Array, ...]:
-    """Reduce packed, per-device gradient buckets (``layout.pack`` output), one collective each.
-
-    Returns full reduced buckets for ``zero_stage == 0`` and this rank's shard of each bucket
-    otherwise, in each bucket's ``grad_dtype``. ``num_microbatches`` folds the ``1/G`` of
-    gradient accumulation into the pre-scaling. Call inside ``shard_map``.
-    """
-    _check_count(buckets, layout, "reduce_buckets")
-    return tuple(
-        _reduce_one(x, b, layout, config, num_microbatches)[0]
-        for x, b in zip(buckets, layout.buckets, strict=True)
-    )
-
-
-def reduce_gradients(grads: Any, layout: BucketLayout, config: DDPConfig) -> Any:
-    """Average per-device gradients over ``config.data_axis``, bucket by bucket.
-
-    Call inside ``jax.shard_map`` with the per-device (unreduced) gradients of the mean loss of
-    the local batch. With ``zero_stage == 0`` it returns the averaged gradient pytree in the
-    params' dtypes; otherwise this rank's shard, as :meth:`BucketLayout.shard_view` gives it
-    (``"interleaved"``: a pytree like ``grads`` with 1-D leaves, rank ``r``'s piece of each
-    parameter; ``"megatron"``: a tuple of per-bucket shards).
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from jax.sharding import PartitionSpec as P
-        >>> from jaxdp import BucketLayout, DDPConfig, make_mesh, reduce_gradients
-        >>> mesh = make_mesh()
-        >>> cfg = DDPConfig()
-        >>> grads = {"w": jnp.ones((3, 2))}
-        >>> layout = BucketLayout.from_params(grads, cfg, mesh.shape["data"])
-        >>> f = jax.shard_map(lambda g: reduce_gradients(g, layout, cfg), mesh=mesh,
-        ...                   in_specs=P(), out_specs=P())
-        >>> f(grads)["w"].tolist()
-        [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
-    """
-    if config.calculate_per_token_loss:
-        raise ValueError(
-            "reduce_gradients: calculate_per_token_loss=True needs the global token count; "
-            "expected a config without it. Fix: use DataParallel, or reduce_buckets and divide "
-            "by psum(num_tokens) yourself."
-        )
-    # Pack in a dtype that holds every gradient and every wire dtype exactly (bf16 gradients
-    # with an fp32 wire pack as fp32): no rounding before the collective's own cast.
-    pack_dtype = jnp.result_type(
-        *(jnp.dtype(x.dtype) for x in jax.tree.leaves(grads)),
-        *(jnp.dtype(b.grad_dtype) for b in layout.buckets),
-    )
-    flat = layout.pack(grads, dtype=pack_dtype)
-    reduced = reduce_buckets(flat, layout, config)
-    if layout.kind == "contiguous":
-        out = layout.unpack(reduced)
-        return jax.tree.map(lambda g, ref: g.astype(ref.dtype), out, grads)
-    return layout.shard_view(reduced)

@@ -28,7 +28,7 @@ def microbatches(global_batch: int, micro_batch: int, dp: int) -> int:
         dp: the data-parallel world size (``jaxdp.dp_size(mesh)``).
 
     Returns:
-        ``num_microbatches`` (``DDPConfig.num_microbatches``).
+        ``num_microbatches`` (the config's ``num_microbatches``).
 
     Raises:
         ValueError: ``global_batch`` is not a multiple of ``micro_batch * dp``; the message

@@ -7,7 +7,7 @@
 
 * a scalar loss (the mean over the micro-batch);
 * ``(loss, aux)``: ``aux`` is averaged over micro-batches and ranks into ``metrics["aux"]``;
-* ``(loss_sum, num_tokens)`` with ``DDPConfig.calculate_per_token_loss``;
+* ``(loss_sum, num_tokens)`` with ``calculate_per_token_loss``;
 * a :class:`LossOutput`, which names the parts and is the only way to return an updated
   ``model_state``.
 
@@ -26,8 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config.config import DDPConfig
-
 __all__ = [
     "LossCall",
     "LossOutput",
@@ -43,7 +41,7 @@ class LossOutput(NamedTuple):
 
     Attributes:
         loss: the scalar loss of the micro-batch: its mean, or with
-            ``DDPConfig.calculate_per_token_loss`` the *sum* of the per-token losses.
+            ``calculate_per_token_loss`` the *sum* of the per-token losses.
         aux: any pytree of metrics; ``metrics["aux"]`` is its mean over micro-batches and
             ranks (elementwise, in fp32). Per-example values (leading dimension = the
             micro-batch's) are legal but mixed across ranks by that mean, and warned about.
@@ -100,14 +98,15 @@ class LossCall:
 
 def loss_parts(
     loss_fn: Callable[..., Any],
-    config: DDPConfig,
+    per_token: bool,
     params: Any,
     mb: Any,
     call: LossCall = LossCall(),
 ) -> tuple[jax.Array, tuple[Any, Any, Any]]:
     """``loss_fn``'s output as ``(loss, (num_tokens, aux, model_state))``, validated.
 
-    ``num_tokens`` is the micro-batch's token count with ``calculate_per_token_loss`` (and a
+    ``per_token``: the engine's ``calculate_per_token_loss``. ``num_tokens`` is the
+    micro-batch's token count with it (and a
     zero otherwise); ``aux`` the aux pytree or ``None``; ``model_state`` the updated state
     (``None`` unless ``call.model_state``).
     """
@@ -115,20 +114,20 @@ def loss_parts(
     out = loss_fn(params, batch, **kw)
     if isinstance(out, LossOutput):
         loss, aux, new_state, ntok = out
-        if config.calculate_per_token_loss and ntok is None:
+        if per_token and ntok is None:
             raise ValueError(
                 "DataParallel: with calculate_per_token_loss=True, loss_fn returned a "
                 "LossOutput without num_tokens. Fix: LossOutput(loss=loss_sum, "
                 "num_tokens=jnp.sum(mask), ...)."
             )
-        if not config.calculate_per_token_loss and ntok is not None:
+        if not per_token and ntok is not None:
             raise ValueError(
                 "DataParallel: loss_fn returned LossOutput(num_tokens=...) but "
                 "calculate_per_token_loss is False, so the loss is taken as a mean and the "
-                "count would be ignored. Fix: DDPConfig(calculate_per_token_loss=True) and "
+                "count would be ignored. Fix: calculate_per_token_loss=True in the config and "
                 "return the loss sum, or drop num_tokens."
             )
-    elif config.calculate_per_token_loss:
+    elif per_token:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ValueError(
                 "DataParallel: with calculate_per_token_loss=True, loss_fn must return "
@@ -145,7 +144,7 @@ def loss_parts(
         (loss, aux), ntok, new_state = out, None, None
     else:
         loss, aux, ntok, new_state = out, None, None, None
-    if config.calculate_per_token_loss:
+    if per_token:
         fix = (
             "return (loss_sum, num_tokens) for the micro-batch, both scalars: the sum of the "
             "per-token losses (e.g. jnp.sum(token_loss * mask)) and the token count "

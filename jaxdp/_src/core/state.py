@@ -37,7 +37,7 @@ class TrainState(NamedTuple):
         model_state: the non-trainable state given to ``DataParallel.init(params,
             model_state=...)`` (linen's ``batch_stats`` and other mutable collections, nnx's
             ``BatchStat`` and other non-``Param`` state), replicated, as of the end of the last
-            step (combined over the ranks by ``DDPConfig.model_state_sync``); ``None`` when
+            step (combined over the ranks by the config's ``model_state_sync``); ``None`` when
             ``init`` got none.
         rng: the run's typed PRNG key given to ``init(params, rng=...)``, or ``None``. It does
             not change: step ``s`` draws from ``fold_in(rng, s)``, so a restored state continues

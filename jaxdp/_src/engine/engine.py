@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..comm.order import hold
@@ -36,7 +36,7 @@ from ..platform.xla_flags import engine_compiler_options, with_passes_off
 from ..strategy.plan import Plan, build_plan, check_engine_args
 from ..strategy.update import optimizer_update
 from ..topology.group import ReductionGroup
-from ..topology.mesh import auto_mesh, check_mesh, make_mesh
+from ..topology.mesh import auto_mesh, make_mesh
 from .state_build import build_state, per_leaf_plan
 from .step import _Step, check_batch
 
@@ -113,7 +113,7 @@ class DataParallel:
         self._step: _Step | None = None
         self._export: Any = None
         self._call = LossCall()
-        self._plain_loss: Callable[..., Any] = loss_fn
+        self.plain_loss: Callable[..., Any] = loss_fn
         self._abstract: TrainState | None = None
 
     # ------------------------------------------------------------------ properties
@@ -199,9 +199,9 @@ class DataParallel:
                 time, as tracers carry none).
         """
         model_state, rng, self._call = check_init_inputs(model_state, rng)
-        self._plain_loss = plain_loss(self.loss_fn, self._call, model_state)
+        self.plain_loss = plain_loss(self.loss_fn, self._call, model_state)
         self._plan = build_plan(
-            self._plain_loss,
+            self.plain_loss,
             self.optimizer,
             self.config,
             self.group,
@@ -316,7 +316,7 @@ class DataParallel:
             metrics["grad_norm"],
             state.opt_state,
             target,
-            self.config,
+            strategy.spec.clip_grad,
         )
         params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
         new = TrainState(
@@ -357,3 +357,23 @@ class DataParallel:
                 "jaxdp.TrainState returned by init / step."
             )
         return state.model_state
+
+
+def check_mesh(mesh: Any, data_axis: str, expert_axis: str | None) -> None:
+    """A ``Mesh`` given to ``DataParallel`` must have ``data_axis`` (and ``expert_axis`` when
+    set)."""
+    if expert_axis is not None and not (isinstance(mesh, Mesh) and expert_axis in mesh.axis_names):
+        axes = dict(mesh.shape) if isinstance(mesh, Mesh) else "the default 1-D data mesh"
+        raise ValueError(
+            f"DataParallel: DDPConfig.expert_axis={expert_axis!r} but the mesh is {axes}; "
+            f"expected a mesh with axes {data_axis!r} and {expert_axis!r}. Fix: pass mesh="
+            f"jax.make_mesh((2, 4), ({data_axis!r}, {expert_axis!r})) or drop expert_axis."
+        )
+    if isinstance(mesh, Mesh) and data_axis not in mesh.axis_names:
+        raise ValueError(
+            f"DataParallel: the mesh has axes {dict(mesh.shape)}; expected one named "
+            f"{data_axis!r} (DDPConfig.data_axis) to run data parallelism over. Fix: "
+            f"build the mesh with a {data_axis!r} axis (e.g. jax.make_mesh((4, 2), "
+            f"({data_axis!r}, 'model'))) or set DDPConfig(data_axis=<one of "
+            f"{tuple(mesh.axis_names)}>)."
+        )

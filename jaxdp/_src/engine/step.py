@@ -3,13 +3,44 @@ report."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
 from ..core.state import TrainState
-from ..zero3.scan import warn_if_undetected
+from ..zero3.scan import find_stacks
+
+
+def warn_if_undetected(engine: Any, batch: Any) -> None:
+    """First step at stage 3 without an ``example_batch`` at ``init``: warn if stacks exist."""
+    cfg, layout = engine.config, engine.layout
+    if not engine.plan.finds_stacks:
+        return
+    params = jax.tree_util.tree_unflatten(
+        layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
+    )
+    try:
+        found = find_stacks(
+            engine.plain_loss,
+            params,
+            batch,
+            1,
+            num_microbatches=cfg.num_microbatches,
+            param_dtype=cfg.param_dtype,
+        )
+    except Exception:  # detection is advice only; the step reports real errors itself
+        return
+    missing = [layout.slots[i].path for i in found if i not in dict(layout.stacked)]
+    if missing:
+        warnings.warn(
+            f"DataParallel: zero_stage=3 gathers the scanned layer stacks {missing} whole, "
+            "because init() got no example batch to detect them. Fix: "
+            "dp.init(params, example_batch=batch) to gather them one layer per scan iteration "
+            "(or mark them with scan_param_patterns in the config).",
+            stacklevel=3,
+        )
 
 
 def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:

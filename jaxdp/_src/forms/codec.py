@@ -206,10 +206,10 @@ class InterleavedCodec(Codec):
     (scanned layer stacks laid out per layer: :mod:`jaxdp._src.layout.stacked`)."""
 
     def leaf_to_view(self, i: int, x: Any) -> Any:
-        return self.layout._leaf_to_global(i, x)
+        return self.layout.leaf_to_global(i, x)
 
     def leaf_from_view(self, i: int, v: Any) -> Any:
-        return self.layout._leaf_from_global(i, v)
+        return self.layout.leaf_from_global(i, v)
 
     def view_shape(self, i: int) -> tuple[int, ...]:
         s = self.layout.slots[i]

@@ -26,6 +26,7 @@ the flat buffer. In the ``interleaved`` layout a buffer is viewed as ``[dp, nume
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from typing import Any
 
@@ -37,7 +38,7 @@ from ..config.config import DDPConfig
 from .placement import Bucket, Buffer, ParamSlot, leaf_info, place, place_shape
 from .views import LayoutViews
 
-__all__ = ["BucketLayout", "Bucket", "Buffer", "ParamSlot", "path_str"]
+__all__ = ["BucketLayout", "Bucket", "Buffer", "LayoutRules", "ParamSlot", "path_str", "rules_of"]
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -49,6 +50,55 @@ def path_str(path: tuple[Any, ...]) -> str:
         'dense/kernel'
     """
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutRules:
+    """The config's answers to the layout's questions, decided once (by
+    :meth:`BucketLayout.from_params` for a config, or the plan).
+
+    Attributes:
+        kind: ``"contiguous"`` (stage 0), ``"interleaved"`` or ``"megatron"``.
+        bucket_size: elements per bucket, resolved for the dp size (``None``: one per buffer).
+        param_dtype: the working dtype of the params (``None``: their own).
+        grad_reduce_in_fp32: gradients are reduced (and bucketed) in fp32.
+        high_nccl_busbw: Megatron's bucket-end padding for high NCCL bus bandwidth.
+        own_bucket_param_patterns: ``fnmatch`` patterns of params that get a bucket each.
+    """
+
+    kind: str
+    bucket_size: int | None
+    param_dtype: str | None = None
+    grad_reduce_in_fp32: bool = False
+    high_nccl_busbw: bool = False
+    own_bucket_param_patterns: tuple[str, ...] = ()
+
+    def owns_bucket(self, path: str) -> bool:
+        """Whether the parameter at ``path`` matches ``own_bucket_param_patterns``."""
+        return any(fnmatch.fnmatchcase(path, p) for p in self.own_bucket_param_patterns)
+
+    def replace(self, **changes: Any) -> LayoutRules:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def rules_of(config: DDPConfig, dp_size: int) -> LayoutRules:
+    """The layout questions of ``config`` answered for ``dp_size`` ranks (the one place that
+    maps the config's fields to :class:`LayoutRules`).
+
+    Example:
+        >>> from jaxdp import DDPConfig
+        >>> rules_of(DDPConfig(), 8).kind, rules_of(DDPConfig(zero_stage=1), 8).kind
+        ('contiguous', 'interleaved')
+    """
+    return LayoutRules(
+        kind="contiguous" if config.zero_stage == 0 else config.bucket_layout,
+        bucket_size=config.resolve_bucket_size(dp_size),
+        param_dtype=config.param_dtype,
+        grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+        high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+        own_bucket_param_patterns=tuple(config.own_bucket_param_patterns),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +182,27 @@ class BucketLayout(LayoutViews):
                 "of the data-parallel mesh axis). Fix: pass mesh.shape[config.data_axis]."
             )
         dp_size = int(dp_size)
+        return cls.build(params, rules_of(config, dp_size), dp_size, stacked, shard_axes=shard_axes)
+
+    @classmethod
+    def build(
+        cls,
+        params: Any,
+        rules: LayoutRules,
+        dp_size: int,
+        stacked: Any = None,
+        *,
+        shard_axes: tuple[tuple[str, ...], ...] | None = None,
+    ) -> BucketLayout:
+        """:meth:`from_params` with the config's layout questions already answered
+        (:class:`LayoutRules`): how the plan and ZeRO-3's per-layer layouts build one."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         if not leaves:
             raise ValueError(
                 "BucketLayout.from_params: params has no array leaves; expected a pytree of "
                 "parameters. Fix: pass the model's parameters (e.g. variables['params'])."
             )
-        if config.zero_stage == 0:
-            kind = "contiguous"
-        else:
-            kind = config.bucket_layout
-        bucket_size = config.resolve_bucket_size(dp_size)
+        kind, bucket_size = rules.kind, rules.bucket_size
         stacked = dict(stacked or {})
         if stacked and kind != "interleaved":
             raise ValueError(
@@ -161,9 +221,9 @@ class BucketLayout(LayoutViews):
         for i, (kp, leaf) in enumerate(leaves):
             path = path_str(kp)
             shape, dtype = leaf_info(path, leaf)
-            work = config.param_dtype or dtype
-            grad = "float32" if config.grad_reduce_in_fp32 else work
-            own_bucket = config.owns_bucket(path)
+            work = rules.param_dtype or dtype
+            grad = "float32" if rules.grad_reduce_in_fp32 else work
+            own_bucket = rules.owns_bucket(path)
             if i in stacked:
                 ax = stacked[i]
                 if not 0 <= ax < len(shape):
@@ -189,7 +249,7 @@ class BucketLayout(LayoutViews):
                 kind,
                 dp_size,
                 bucket_size,
-                config.pad_buckets_for_high_nccl_busbw,
+                rules.high_nccl_busbw,
             )
             ordered = list(reversed(members))
             per_bucket: dict[int, list[int]] = {}
@@ -232,7 +292,7 @@ class BucketLayout(LayoutViews):
             kind=kind,
             dp_size=dp_size,
             bucket_size=bucket_size,
-            high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+            high_nccl_busbw=rules.high_nccl_busbw,
             slots=tuple(s for s in slots if s is not None),
             buffers=tuple(buffers),
             buckets=tuple(buckets),

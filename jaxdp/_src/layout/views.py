@@ -30,7 +30,7 @@ class LayoutViews:
     stacked: tuple[tuple[int, int], ...]
 
     # ------------------------------------------------------------------ pack / unpack
-    def _check_tree(self, tree: Any, what: str) -> list[Any]:
+    def check_tree(self, tree: Any, what: str) -> list[Any]:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self.treedef:
             raise ValueError(
@@ -53,17 +53,17 @@ class LayoutViews:
             tree: pytree with the params' structure and shapes (e.g. gradients).
             dtype: dtype of the buckets; ``None`` = each bucket's working ``dtype``.
         """
-        leaves = self._check_tree(tree, "pack")
+        leaves = self.check_tree(tree, "pack")
         out = []
         for b in self.buckets:
             dt = jnp.dtype(dtype if dtype is not None else b.dtype)
             if self.kind == "interleaved":
-                out.append(self._pack_interleaved(b, leaves, dt))
+                out.append(self.pack_interleaved(b, leaves, dt))
             else:
-                out.append(self._pack_contiguous(b, leaves, dt))
+                out.append(self.pack_contiguous(b, leaves, dt))
         return tuple(out)
 
-    def _fill(self, b: Bucket, pieces: dict[int, jax.Array], dt: Any, rows: int = 0) -> jax.Array:
+    def fill(self, b: Bucket, pieces: dict[int, jax.Array], dt: Any, rows: int = 0) -> jax.Array:
         """Concatenate ``b``'s per-slot pieces along the last axis with zero gaps and end padding.
 
         ``pieces[i]`` spans columns ``[start, end)`` of slot ``i``; with ``rows`` the pieces are
@@ -82,10 +82,10 @@ class LayoutViews:
         full = out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
         return full.reshape(-1)
 
-    def _pack_contiguous(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
-        return self._fill(b, {i: jnp.ravel(leaves[i]) for i in b.slots}, dt)
+    def pack_contiguous(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
+        return self.fill(b, {i: jnp.ravel(leaves[i]) for i in b.slots}, dt)
 
-    def _pack_interleaved(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
+    def pack_interleaved(self, b: Bucket, leaves: list[Any], dt: Any) -> jax.Array:
         dp, pieces, stacked = self.dp_size, {}, dict(self.stacked)
         for i in b.slots:
             s = self.slots[i]
@@ -97,7 +97,7 @@ class LayoutViews:
             if dp * k > s.size:
                 flat = jnp.pad(flat, (0, dp * k - s.size))
             pieces[i] = flat.reshape(dp, k)
-        return self._fill(b, pieces, dt, rows=dp)
+        return self.fill(b, pieces, dt, rows=dp)
 
     def unpack(self, flat: Any) -> Any:
         """Inverse of :meth:`pack`: one 1-D array per bucket back to the params pytree.
@@ -126,7 +126,7 @@ class LayoutViews:
         if self.kind == "interleaved":
             mat = jnp.reshape(arr, (self.dp_size, b.numel // self.dp_size))
             return [
-                self._leaf_from_global(
+                self.leaf_from_global(
                     i, mat[:, self.slots[i].start - b.start : self.slots[i].end - b.start].ravel()
                 )
                 for i in b.slots
@@ -148,7 +148,7 @@ class LayoutViews:
         if self.kind == "contiguous":
             raise ValueError(
                 f"BucketLayout.{what}: a contiguous (zero_stage=0) layout has no shards. "
-                "Fix: build the layout with DDPConfig(zero_stage >= 1)."
+                "Fix: build the layout with zero_stage >= 1 in the config."
             )
 
     def shard_view(self, shards: Any) -> Any:
@@ -174,7 +174,7 @@ class LayoutViews:
             )
         leaves = jax.tree_util.tree_leaves(view)
         return tuple(
-            self._fill(b, {i: leaves[i] for i in b.slots}, dtype if dtype is not None else b.dtype)
+            self.fill(b, {i: leaves[i] for i in b.slots}, dtype if dtype is not None else b.dtype)
             for b in self.buckets
         )
 
@@ -183,11 +183,11 @@ class LayoutViews:
         self._require_sharded("to_global_view")
         if self.kind == "megatron":
             return self.pack(tree, dtype)
-        leaves = self._check_tree(tree, "to_global_view")
-        out = [self._leaf_to_global(i, leaf, dtype) for i, leaf in enumerate(leaves)]
+        leaves = self.check_tree(tree, "to_global_view")
+        out = [self.leaf_to_global(i, leaf, dtype) for i, leaf in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
-    def _leaf_to_global(self, i: int, leaf: Any, dtype: Any = None) -> Any:
+    def leaf_to_global(self, i: int, leaf: Any, dtype: Any = None) -> Any:
         """Leaf ``i`` (params-shaped) -> its 1-D global shard view (interleaved layouts)."""
         s, stacked = self.slots[i], dict(self.stacked)
         if dtype is not None:
@@ -198,8 +198,8 @@ class LayoutViews:
         padded = (s.end - s.start) * self.dp_size
         return jnp.pad(flat, (0, padded - s.size)) if padded > s.size else flat
 
-    def _leaf_from_global(self, i: int, flat: Any) -> Any:
-        """Inverse of :meth:`_leaf_to_global`."""
+    def leaf_from_global(self, i: int, flat: Any) -> Any:
+        """Inverse of :meth:`leaf_to_global`."""
         s, stacked = self.slots[i], dict(self.stacked)
         if i in stacked:
             return rows_to_stack(flat, s.shape, stacked[i], self.dp_size)
@@ -211,5 +211,5 @@ class LayoutViews:
         if self.kind == "megatron":
             return self.unpack(tuple(view))
         leaves = jax.tree_util.tree_leaves(view)
-        out = [self._leaf_from_global(i, leaf) for i, leaf in enumerate(leaves)]
+        out = [self.leaf_from_global(i, leaf) for i, leaf in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(self.treedef, out)

@@ -40,10 +40,10 @@ import jax.numpy as jnp
 
 from ..comm.order import after
 from ..comm.reduce import finish_deferred
-from ..config.config import DDPConfig
 from ..core.fusion import fused_function
 from ..layout.layout import BucketLayout
 from .loss_divisor import value_and_divided_grad
+from .spec import StepSpec
 
 __all__ = [
     "GatherInGrad",
@@ -99,16 +99,17 @@ class Kernel:
         self,
         parts: Callable[[Any, Any], Any],
         layout: BucketLayout,
-        config: DDPConfig,
+        spec: StepSpec,
         ops: Any,
         *,
         peel_last: bool | None = None,
     ):
-        self.parts, self.layout, self.config, self.ops = parts, layout, config, ops
+        self.parts, self.layout, self.spec, self.ops = parts, layout, spec, ops
         if peel_last is not None:
             self.peel_last = peel_last
-        self.g = config.num_microbatches
-        self.acc_dt = jnp.dtype(config.main_grads_dtype)
+        self.g = spec.num_microbatches
+        self.acc_dt = ops.wire.accumulate
+        self.check_nan = ops.wire.check_nan
 
     def prepare(self, params: Any, mb0: Any) -> Any:
         """Once per step, before the micro-batch loop: the per-step context."""
@@ -162,7 +163,7 @@ class _Sharded(Kernel):
 
     def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
         # Reduce-scattered as a micro-batch is, then divided once in main_grads_dtype: the
-        # same bits as the final collective (jaxdp._src.comm.reduce._reduce_one), but a power-of-two
+        # same bits as the final collective (jaxdp._src.comm.reduce.reduce_one), but a power-of-two
         # 1/(G dp) is applied to this rank's shard, fused into the update, rather than to the
         # whole gradient before the wire in a pass of its own. (Where the loss carried it,
         # jaxdp._src.strategy.loss_divisor, every divisor is 1 and nothing is divided here.)
@@ -200,7 +201,7 @@ class ReduceAtEnd(Kernel):
         # then yields per-device partial gradients and inserts no psum per use.
         wv = self.ops.varying(self.source(params))
         d = self.ops.loss_divisor  # carried by the loss; the reductions only sum (ops)
-        if not self.config.gradient_accumulation_fusion:
+        if not self.spec.fusion:
             return wv, value_and_divided_grad(self.parts, d), self.parts
         # jaxdp.nn kernels differentiated as fp32: those of nn.scan stacks lifted once, here,
         # the others in each micro-batch's own body (jaxdp._src.core.fusion.Lift says why).
@@ -225,7 +226,7 @@ class ReduceAtEnd(Kernel):
         wv, grad_fn, _ = ctx
         out, grads = grad_fn(wv, mb)
         acc = self._add(acc, grads)
-        if self.config.check_for_nan_in_grad:
+        if self.check_nan:
             ok = ok & _finite_flags(grads)
         return out, acc, ok
 
@@ -326,7 +327,7 @@ class GatherInGrad(_Sharded, Kernel):
         super().__init__(*args, **kw)
         layout, axis = self.layout, self.ops.axis
         self.vg, self.z3_divisors, self.loss = value_and_grad(
-            self.parts, layout, self.config, num_microbatches=self.g, place=self.ops.place
+            self.parts, layout, self.ops.wire, num_microbatches=self.g, place=self.ops.place
         )
         self.pre = pre
         vary = lambda t: jax.tree.map(lambda v: jax.lax.pcast(v, axis, to="varying"), t)  # noqa: E731
@@ -352,7 +353,7 @@ class GatherInGrad(_Sharded, Kernel):
         per_bucket = self.z3_divisors[-len(self.layout.buckets) :]
         self.divisors.append(self.ops.per_array(per_bucket))  # one per accumulator
         acc = _plus(acc, red, self.acc_dt)
-        if self.config.check_for_nan_in_grad:
+        if self.check_nan:
             bad = self.ops.bucket_flags(bad)
             ok = ok & (jnp.stack([bad[bi][j] for bi, j in self.slot_pos]) == 0)
         return out, acc, ok

@@ -22,7 +22,7 @@ gather the params inside the differentiated function) and the bucket operations 
    at the end (:func:`sync_model_state`). Each micro-batch's PRNG key is folded from the
    step's key and its global micro-batch position.
 
-Everything here is a pure function of static inputs (``loss_fn``, the kernel, the config).
+Everything here is a pure function of static inputs (``loss_fn``, the kernel, the step spec).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from ..comm.reduce import metric_sum
-from ..config.config import DDPConfig
+from ..comm.wire import Wire
 from ..core.loss import LossCall, warn_per_example_aux
+from .spec import StepSpec
 
 __all__ = ["local_gradients", "sync_model_state"]
 
@@ -44,7 +45,8 @@ def local_gradients(
     batch: Any,
     *,
     kernel: Any,
-    config: DDPConfig,
+    spec: StepSpec,
+    wire: Wire,
     group: Any,
     call: LossCall = LossCall(),  # noqa: B008 - a frozen, hashable default
     model_state: Any = None,
@@ -59,7 +61,8 @@ def local_gradients(
         kernel: the strategy's gradient kernel (:class:`jaxdp._src.strategy.kernels.Kernel`), built
         around
             the user's loss (see :func:`loss_parts`).
-        config: the :class:`DDPConfig`.
+        spec: the step's settings (:class:`jaxdp._src.strategy.spec.StepSpec`).
+        wire: the reduction's spec (:class:`jaxdp._src.comm.wire.Wire`).
         group: the :class:`jaxdp._src.topology.group.ReductionGroup` (metric sums run over its
         axes).
         call: which keywords ``loss_fn`` gets (:class:`jaxdp._src.core.loss.LossCall`).
@@ -74,8 +77,8 @@ def local_gradients(
         ``grad_norm``, optionally ``aux``, ``num_tokens``, ``nonfinite_ranks``) and the
         model state combined over the ranks (:func:`sync_model_state`; ``None`` without one).
     """
-    cfg, axis = config, group.axes
-    g, dp = cfg.num_microbatches, group.size
+    axis, ordered = group.axes, wire.ordered_metrics
+    g, dp = spec.num_microbatches, group.size
     mbs = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)
     mb0 = jax.tree.map(lambda x: x[0], mbs)
     first = g * group.rank() if call.rng else 0  # this rank's first global micro-batch
@@ -133,24 +136,24 @@ def local_gradients(
     red = tuple(r.astype(jnp.float32) for r in kernel.finish(acc))
     loss, ntok, aux_sum, state = kernel.after_reduction((loss, ntok, aux_sum, state), red)
     metrics: dict[str, Any] = {}
-    if cfg.calculate_per_token_loss:
-        tokens = metric_sum(ntok, cfg, axis)
+    if wire.per_token:
+        tokens = metric_sum(ntok, axis, ordered)
         inv = 1.0 / jnp.maximum(tokens, 1.0)
         red = tuple(r * inv for r in red)
-        metrics["loss"] = metric_sum(loss, cfg, axis) * inv
+        metrics["loss"] = metric_sum(loss, axis, ordered) * inv
         metrics["num_tokens"] = tokens
     else:
-        metrics["loss"] = metric_sum(loss / g, cfg, axis) / dp
+        metrics["loss"] = metric_sum(loss / g, axis, ordered) / dp
     if aux_sum is not None and jax.tree.leaves(aux_sum):
-        metrics["aux"] = jax.tree.map(lambda a: metric_sum(a / g, cfg, axis) / dp, aux_sum)
+        metrics["aux"] = jax.tree.map(lambda a: metric_sum(a / g, axis, ordered) / dp, aux_sum)
     metrics["grad_norm"] = jnp.sqrt(kernel.square_norm(red))
-    if cfg.check_for_nan_in_grad:
+    if wire.check_nan:
         metrics["nonfinite_ranks"] = jax.lax.psum((~ok).astype(jnp.int32), axis)
-    return kernel.out(red), metrics, sync_model_state(state, cfg, group)
+    return kernel.out(red), metrics, sync_model_state(state, spec.model_state_sync, group)
 
 
-def sync_model_state(state: Any, config: DDPConfig, group: Any) -> Any:
-    """Combine the ranks' model states by ``config.model_state_sync`` (one all-reduce per
+def sync_model_state(state: Any, how: str, group: Any) -> Any:
+    """Combine the ranks' model states by ``how`` (``model_state_sync``; one all-reduce per
     leaf): ``"mean"`` averages floating leaves (summed in fp32) and takes rank 0's integer
     leaves; ``"broadcast"`` takes rank 0's everywhere."""
     if state is None:
@@ -159,7 +162,7 @@ def sync_model_state(state: Any, config: DDPConfig, group: Any) -> Any:
     lead = group.rank() == 0
 
     def one(x: jax.Array) -> jax.Array:
-        if config.model_state_sync == "mean" and jnp.issubdtype(x.dtype, jnp.inexact):
+        if how == "mean" and jnp.issubdtype(x.dtype, jnp.inexact):
             return (jax.lax.psum(x.astype(jnp.float32), axis) / n).astype(x.dtype)
         if x.dtype == jnp.bool_:
             return jax.lax.psum(jnp.where(lead, x, False).astype(jnp.int32), axis) > 0

@@ -42,29 +42,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config.config import DDPConfig
+from ..comm.wire import Wire
 from ..layout.layout import BucketLayout
 
 __all__ = ["loss_divisor", "value_and_divided_grad"]
 
 
-def loss_divisor(config: DDPConfig, layout: BucketLayout, groups: Sequence[Any]) -> int:
+def loss_divisor(
+    layout: BucketLayout,
+    groups: Sequence[Any],
+    wire: Wire,
+    *,
+    num_microbatches: int,
+    param_dtype: str | None,
+) -> int:
     """The divisor the loss carries for ``layout``'s buckets reduced over ``groups`` (one
     :class:`jaxdp._src.topology.group.BucketGroup` per bucket), or 1 where the reduction divides
     (module
     docstring)."""
-    if config.calculate_per_token_loss or not groups:
+    if wire.per_token or not groups:
         return 1
     totals = {g.size * g.prediv for g in groups}
     if len(totals) != 1:
         return 1
-    d = config.num_microbatches * totals.pop()
+    d = num_microbatches * totals.pop()
     if d == 1 or d & (d - 1):
         return 1
-    dtypes = {np.dtype(config.param_dtype or s.dtype) for s in layout.slots}
+    dtypes = {np.dtype(param_dtype or s.dtype) for s in layout.slots}
     dtypes |= {np.dtype(s.dtype) for s in layout.slots}
     dtypes |= {np.dtype(b.grad_dtype) for b in layout.buckets}
-    dtypes.add(np.dtype(config.main_grads_dtype))
+    dtypes.add(wire.accumulate)
     if np.dtype(np.float16) in dtypes:
         return 1
     return d

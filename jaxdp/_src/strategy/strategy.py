@@ -47,7 +47,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..comm.order import after
-from ..config.config import DDPConfig
 from ..core.loss import LossCall, loss_parts
 from ..core.state import TrainState
 from ..forms.codec import Codec
@@ -55,6 +54,7 @@ from ..layout.layout import BucketLayout
 from ..topology.group import ReductionGroup
 from ..topology.sharding import ShardingPlan
 from .local import local_gradients
+from .spec import StepSpec
 from .update import gather_params
 
 __all__ = ["Replicated", "ShardedOpt", "ShardedParams", "Strategy"]
@@ -69,7 +69,8 @@ class Strategy:
 
     Attributes:
         name: ``"replicated"``, ``"sharded optimizer"`` or ``"sharded params"``.
-        config, layout, sharding, group: what the plan built it from.
+        spec, layout, sharding, group: what the plan built it from (``spec``:
+            :class:`jaxdp._src.strategy.spec.StepSpec`).
         master_codec: the form of ``master`` and the optimizer state (and of the reduced
             gradients the step hands the optimizer).
         params_codec: the form of the working params between steps.
@@ -95,7 +96,8 @@ class Strategy:
     def __init__(
         self,
         *,
-        config: DDPConfig,
+        spec: StepSpec,
+        grad_collectives: tuple[str, ...],
         layout: BucketLayout,
         sharding: ShardingPlan,
         group: ReductionGroup,
@@ -106,18 +108,17 @@ class Strategy:
         params_codec: Codec,
         axis_names: Any,
     ):
-        self.config, self.layout, self.sharding, self.group = config, layout, sharding, group
+        self.spec, self.layout, self.sharding, self.group = spec, layout, sharding, group
         self.optimizer, self.ops, self.make_kernel = optimizer, ops, kernel
         self.master_codec, self.params_codec = master_codec, params_codec
         self.axis_names = axis_names  # the step's manual axes
         self.master_dtype = (
             jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
         )
-        self.work_dtypes = [jnp.dtype(config.param_dtype or s.dtype) for s in layout.slots]
+        self.work_dtypes = [jnp.dtype(spec.param_dtype or s.dtype) for s in layout.slots]
         self.has_master = True
         # the opcode of a bucket's gradient collective (jaxdp.aot labels them by it)
-        rs_fp32 = config.reduce_scatter_with_fp32_accumulation
-        self.grad_collectives: tuple[str, ...] = ("all-to-all",) if rs_fp32 else ("reduce-scatter",)
+        self.grad_collectives = grad_collectives
 
     @property
     def holds_params(self) -> bool:
@@ -129,7 +130,7 @@ class Strategy:
         clipping) and the params held cost little memory (one rank; sharded params): holding
         replicated params at dp > 1 costs up to their size again at the end of the backward
         pass (BENCHMARKS.md section 13)."""
-        return self.group.size == 1 or (self.params_sharded and bool(self.config.clip_grad))
+        return self.group.size == 1 or (self.params_sharded and bool(self.spec.clip_grad))
 
     # ------------------------------------------------------------------ state
     def _work(self, params: Any) -> Any:
@@ -181,15 +182,16 @@ class Strategy:
         :func:`jaxdp._src.strategy.local.local_gradients`."""
 
         def parts(p: Any, mb: Any) -> Any:
-            return loss_parts(loss_fn, self.config, p, mb, call)
+            return loss_parts(loss_fn, self.ops.wire.per_token, p, mb, call)
 
         def body(p: Any, b: Any, state: Any, k: Any) -> Any:
-            kernel = self.make_kernel(parts, self.layout, self.config, self.ops)
+            kernel = self.make_kernel(parts, self.layout, self.spec, self.ops)
             return local_gradients(
                 p,
                 b,
                 kernel=kernel,
-                config=self.config,
+                spec=self.spec,
+                wire=self.ops.wire,
                 group=self.group,
                 call=call,
                 model_state=state,
@@ -380,5 +382,5 @@ class ShardedParams(Strategy):
 
     def bytes_per_step(self) -> int:
         frac, grad, param = self._bytes()
-        g = self.config.num_microbatches
+        g = self.spec.num_microbatches
         return int((g * grad + 2 * g * param) * frac)

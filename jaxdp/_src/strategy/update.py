@@ -18,16 +18,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ..config.config import DDPConfig
-
 __all__ = ["clip_by_norm", "gather_params", "optimizer_update"]
 
 
-def clip_by_norm(grads: Any, norm: jax.Array, config: DDPConfig) -> Any:
+def clip_by_norm(grads: Any, norm: jax.Array, clip_grad: float | None) -> Any:
     """Megatron's global-norm clipping: scale by ``min(1, clip_grad / (norm + 1e-6))``."""
-    if config.clip_grad is None:
+    if clip_grad is None:
         return grads
-    coef = jnp.minimum(1.0, config.clip_grad / (norm + 1e-6))
+    coef = jnp.minimum(1.0, clip_grad / (norm + 1e-6))
     return jax.tree.map(lambda gr: gr * coef.astype(gr.dtype), grads)
 
 
@@ -37,19 +35,19 @@ def optimizer_update(
     norm: jax.Array,
     opt_state: Any,
     target: Any,
-    config: DDPConfig,
+    clip_grad: float | None,
 ) -> tuple[Any, Any]:
     """Cast, clip and apply one optax update to ``target`` (master weights, or the params when
     there is no master copy). Returns ``(new_target, new_opt_state)``."""
     grads = jax.tree.map(lambda gr, t: gr.astype(t.dtype), grads, target)
-    grads = clip_by_norm(grads, norm, config)
+    grads = clip_by_norm(grads, norm, clip_grad)
     updates, opt_state = optimizer.update(grads, opt_state, target)
     return optax.apply_updates(target, updates), opt_state
 
 
 def gather_params(view: Any, last: Any, view_codec: Any, param_codec: Any, ops: Any) -> Any:
     """Sharded master view -> the working params (stages 1-2), gathered over the data axis by
-    ``ops.gather_end`` (per bucket, :func:`jaxdp._src.zero3.gather.gather_buckets`, or per
+    ``ops.gather_end`` (per bucket, :func:`jaxdp._src.comm.gather.gather_buckets`, or per
     parameter,
     :func:`jaxdp._src.comm.per_param.gather_leaves`), in a ``shard_map`` manual over the whole mesh:
     each device gathers its own blocks; ``param_codec`` gives the result's shardings

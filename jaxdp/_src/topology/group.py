@@ -10,7 +10,7 @@ expert-data-parallel group); everything else over the dense group. A hierarchica
 
 Expert scaling follows Megatron (reference/megatron-ddp.md §3.1), so that every gradient is
 the mean over the dense group's losses: a bucket's reduction
-(:func:`jaxdp._src.comm.reduce._reduce_one`)
+(:func:`jaxdp._src.comm.reduce.reduce_one`)
 divides by its group's size (or averages in the collective), and an expert bucket is first
 divided by ``prediv = dp / expt_dp = |expert|`` (in fp32, before any rounding). That gives
 Megatron's factors for every wire dtype: ``1/dp`` for dense and expert gradients by default,

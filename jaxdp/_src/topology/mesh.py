@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["make_mesh", "dp_size", "auto_mesh", "check_mesh"]
+__all__ = ["make_mesh", "dp_size", "auto_mesh"]
 
 
 def make_mesh(devices: Sequence[Any] | Mesh | None = None, axis: str = "data") -> Mesh:
@@ -22,7 +22,7 @@ def make_mesh(devices: Sequence[Any] | Mesh | None = None, axis: str = "data") -
     Args:
         devices: ``None`` for every device of every process, a sequence of devices, or an
             existing ``Mesh``, which is returned as is once it is checked to have ``axis``.
-        axis: name of the data-parallel axis (``DDPConfig.data_axis``).
+        axis: name of the data-parallel axis (the config's ``data_axis``).
 
     Example:
         >>> import jax
@@ -56,7 +56,7 @@ def dp_size(mesh: Mesh, axis: str = "data") -> int:
     if axis not in mesh.axis_names:
         raise ValueError(
             f"dp_size: the mesh has axes {mesh.axis_names}; expected one named {axis!r}. "
-            "Fix: set DDPConfig.data_axis to the mesh's data axis."
+            "Fix: pass axis=<the mesh's data-parallel axis>."
         )
     return int(mesh.shape[axis])
 
@@ -71,23 +71,3 @@ def auto_mesh(mesh: Mesh) -> Mesh:
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-
-
-def check_mesh(mesh: Any, data_axis: str, expert_axis: str | None) -> None:
-    """A ``Mesh`` given to ``DataParallel`` must have ``data_axis`` (and ``expert_axis`` when
-    set)."""
-    if expert_axis is not None and not (isinstance(mesh, Mesh) and expert_axis in mesh.axis_names):
-        axes = dict(mesh.shape) if isinstance(mesh, Mesh) else "the default 1-D data mesh"
-        raise ValueError(
-            f"DataParallel: DDPConfig.expert_axis={expert_axis!r} but the mesh is {axes}; "
-            f"expected a mesh with axes {data_axis!r} and {expert_axis!r}. Fix: pass mesh="
-            f"jax.make_mesh((2, 4), ({data_axis!r}, {expert_axis!r})) or drop expert_axis."
-        )
-    if isinstance(mesh, Mesh) and data_axis not in mesh.axis_names:
-        raise ValueError(
-            f"DataParallel: the mesh has axes {dict(mesh.shape)}; expected one named "
-            f"{data_axis!r} (DDPConfig.data_axis) to run data parallelism over. Fix: "
-            f"build the mesh with a {data_axis!r} axis (e.g. jax.make_mesh((4, 2), "
-            f"({data_axis!r}, 'model'))) or set DDPConfig(data_axis=<one of "
-            f"{tuple(mesh.axis_names)}>)."
-        )

@@ -1,23 +1,20 @@
 """The parameter side: per-bucket gathers of sharded working params, and their transpose.
 
 Two uses, both inside ``jax.shard_map`` over the data axis, on the local shard view of the
-working params (``TrainState.params`` when ``config.shards_params``):
+working params (``TrainState.params`` when the params are sharded):
 
-* :func:`gather_full` (``overlap_param_gather`` at stages 1-2): one plain ``all_gather`` per
-  bucket at the start of the step, *outside* the differentiated function, so the gathered params
-  serve every micro-batch and XLA can overlap bucket ``k+1``'s gather with the forward of the
-  layers in bucket ``k``.
+* (stages 1-2's plain gathers are :mod:`jaxdp._src.comm.gather`.)
 * :func:`make_leaf_gather` / :func:`make_bucket_gather` (ZeRO-3): a ``custom_vjp`` gather of one
   bucket (per parameter for interleaved layouts, whole for megatron layouts) whose transpose is the
   bucket's gradient reduce-scatter in the configured precision
-  (:func:`jaxdp._src.comm.reduce._reduce_one`,
+  (:func:`jaxdp._src.comm.reduce.reduce_one`,
   the same numerics as stage 2). The primal is bf16 (the working dtype) but the reduced gradient
   must be fp32, so the gather takes two extra zero inputs, ``acc`` (the fp32 shard) and ``flags``
   (one per parameter of the bucket), and the step differentiates with respect to *those*: the
   cotangent of ``acc`` is this rank's reduced fp32 shard, the cotangent of ``flags`` counts
   non-finite local gradients (``check_for_nan_in_grad``), the cotangent of the shard is zero.
   :func:`zero3_value_and_grad` wraps the user's loss in ``jax.checkpoint`` with the policy of
-  ``DDPConfig.remat_policy`` (:func:`jaxdp._src.zero3.remat.remat_policy_for`), none of which saves
+  ``remat_policy`` (:func:`jaxdp._src.zero3.remat.remat_policy_for`), none of which saves
   the
   gathered values (named :data:`jaxdp._src.zero3.remat.GATHERED`) or what layout primitives derive
   from
@@ -28,101 +25,38 @@ Hook for scanned layer stacks: :func:`sharded_gather` takes any 1-D shard whose 
 tiled ``all_gather`` (a bucket shard, or rank ``r``'s piece of one layer of a stacked parameter)
 and a ``reduce`` for its transpose. A transform that gathers one layer per ``lax.scan`` iteration
 calls it on the per-layer slice of the shard with the per-layer slices of ``acc``/``flags`` and a
-``reduce`` built like :func:`make_bucket_gather`'s (``_reduce_one`` on the layer's slice), and
+``reduce`` built like :func:`make_bucket_gather`'s (``reduce_one`` on the layer's slice), and
 tags the result with :data:`GATHERED` so no policy of :func:`remat_policy_for` saves it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental.xla_metadata import set_xla_metadata
 
-from ..comm.order import after
-from ..comm.reduce import _reduce_one
-from ..config.config import DDPConfig
+from ..comm.reduce import reduce_one
+from ..comm.wire import Wire
 from ..layout.layout import Bucket, BucketLayout
-from .remat import GATHERED, remat_policy_for
+from .remat import GATHERED
 
 __all__ = [
-    "SCHEDULING_GROUP_BASE",
-    "gather_buckets",
-    "gather_full",
     "gathers_per_parameter",
     "make_bucket_gather",
     "make_leaf_gather",
-    "reduces_per_parameter",
     "sharded_gather",
     "zero3_value_and_grad",
 ]
-
-#: First XLA ``_scheduling_group_id`` of the end-of-step parameter gathers (one per bucket).
-SCHEDULING_GROUP_BASE = 1_000_000
-
-
-def gather_buckets(shards: Any, layout: BucketLayout, axis: str, last: Any = None) -> Any:
-    """Bucket shards (this rank's, in the working dtypes) -> the full params, one
-    ``all_gather`` per bucket, typed as identical on every rank (``to="invarying"``).
-
-    The one shard -> full gather of the engine: at the start of a step
-    (:func:`gather_full`, ``overlap_param_gather``) and at its end (stages 1-2,
-    :func:`jaxdp._src.strategy.update.gather_params`). With ``last`` (a value that needs every
-    reduced
-    gradient, e.g. the gradient norm) the first gather waits for it and each bucket's gather
-    is its own XLA scheduling group, overlapped with splitting the previous bucket into its
-    leaves: without the groups XLA's scheduler (with memory to spare) starts every gather
-    first and splits them all at the end, keeping every gathered bucket alive at once, a full
-    second copy of the params (GPU only; other backends ignore the group). Bucket ``k+1``'s
-    gather also depends on bucket ``k``'s, so that no combiner merges the two (a collective
-    merged across groups is a compile error).
-    """
-    # A dependency between buffers of params split over different tensor-parallel axes would
-    # make one vary over the other's axes: those are gathered unordered, as at the start.
-    if last is None or len({buf.shard_axes for buf in layout.buffers}) > 1:
-        full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
-        return layout.unpack(full)
-    n = len(layout.buckets)
-    gathered = [jax.lax.all_gather(after(shards[0], last), axis, tiled=True, to="invarying")]
-    leaves: list[Any] = [None] * len(layout.slots)
-    for k, b in enumerate(layout.buckets):
-        with set_xla_metadata(_scheduling_group_id=str(SCHEDULING_GROUP_BASE + k)):
-            if k + 1 < n:
-                nxt = after(shards[k + 1], gathered[k])
-                gathered.append(jax.lax.all_gather(nxt, axis, tiled=True, to="invarying"))
-            for i, leaf in zip(b.slots, layout.unpack_bucket(b, gathered[k]), strict=True):
-                leaves[i] = leaf
-    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
-
-
-def gather_full(view: Any, layout: BucketLayout, axis: str) -> Any:
-    """Local shard view -> the full working params, one ``all_gather`` per bucket
-    (:func:`gather_buckets` without ordering)."""
-    return gather_buckets(layout.shard_unview(view), layout, axis)
 
 
 def gathers_per_parameter(layout: BucketLayout) -> bool:
     """Whether ZeRO-3 gathers ``layout``'s buckets per parameter (:func:`make_leaf_gather`):
     interleaved layouts without layer stacks. Others gather whole buckets."""
     return layout.kind == "interleaved" and not layout.stacked
-
-
-def reduces_per_parameter(config: DDPConfig, layout: BucketLayout) -> bool:
-    """Whether ZeRO-3 also reduce-scatters every gradient per parameter and accumulates it in
-    an array of its own (one per parameter, :class:`jaxdp._src.comm.per_param.PerParamOps`): gathers
-    per parameter, and every bucket's gradient reduced on a bf16 wire by ``psum_scatter``
-    (:func:`make_leaf_gather`). One accumulator per bucket would make each reduced gradient
-    the concatenation of its bucket's pieces, which XLA fuses into every parameter's update
-    (no memory traffic) but which makes each update a kernel of its own."""
-    return (
-        gathers_per_parameter(layout)
-        and not config.reduce_scatter_with_fp32_accumulation
-        and not config.deterministic_reduction
-        and all(jnp.dtype(b.grad_dtype).itemsize < 4 for b in layout.buckets)
-    )
 
 
 def _vma(x: jax.Array) -> frozenset[str]:
@@ -211,8 +145,9 @@ def sharded_gather(
 def make_bucket_gather(
     b: Bucket,
     layout: BucketLayout,
-    config: DDPConfig,
+    wire: Wire,
     *,
+    axis: str,
     num_microbatches: int,
     deferred: bool,
     divisors: list[int],
@@ -220,19 +155,19 @@ def make_bucket_gather(
     """The ZeRO-3 gather of bucket ``b``: :func:`sharded_gather` with stage 2's reduction.
 
     Forward: ``all_gather(shard)`` (tiled, wire dtype = the working dtype). Backward: the local
-    gradient of the full bucket is cast to ``config.main_grads_dtype`` and reduce-scattered as
+    gradient of the full bucket is cast to ``wire.accumulate`` and reduce-scattered over ``axis`` as
     stage 2 does (``deferred``: unscaled fp32 sums for a micro-batch accumulator, whose divisor
     is appended to ``divisors`` at trace time; else the final mean). Cotangents: zero for
     ``shard``, the reduced shard (``main_grads_dtype[b.shard_numel]``) for ``acc``, non-finite
     flags for ``flags`` (``float32[len(b.slots)]``).
     """
-    axis = config.data_axis
-    acc_dt = jnp.dtype(config.main_grads_dtype)
+    acc_dt = wire.accumulate
 
     def reduce(ct: jax.Array) -> tuple[jax.Array, jax.Array]:
-        red, div = _reduce_one(ct.astype(acc_dt), b, layout, config, num_microbatches, deferred)
+        ct = ct.astype(acc_dt)
+        red, div = reduce_one(ct, b, layout, wire, num_microbatches, deferred, axis=axis)
         divisors.append(div)  # a static int, the same at every trace
-        if config.check_for_nan_in_grad:
+        if wire.check_nan:
             bad = _nonfinite(ct, b, layout)
         else:
             bad = jax.lax.pcast(jnp.zeros((len(b.slots),), jnp.float32), axis, to="varying")
@@ -244,8 +179,10 @@ def make_bucket_gather(
 def make_leaf_gather(
     b: Bucket,
     layout: BucketLayout,
-    config: DDPConfig,
+    wire: Wire,
     *,
+    axis: str,
+    per_slot_acc: bool,
     num_microbatches: int,
     deferred: bool,
     divisors: list[int],
@@ -268,20 +205,20 @@ def make_leaf_gather(
     5 buckets), this took stage 3 from 1.13x / 1.28x of its memory formula (G = 1 / 4) to
     0.89x / 1.10x.
 
-    Backward: each leaf's gradient is cast to ``config.main_grads_dtype`` and reduce-scattered
+    Backward: each leaf's gradient is cast to ``wire.accumulate`` and reduce-scattered
     as :func:`make_bucket_gather` reduces a bucket (the same
-    :func:`jaxdp._src.comm.reduce._reduce_one`
+    :func:`jaxdp._src.comm.reduce.reduce_one`
     numerics, applied to the leaf's columns). The gradients are packed and reduced per bucket
     instead with ``reduce_scatter_with_fp32_accumulation`` or ``deterministic_reduction`` (one
     ``all_to_all``: XLA:GPU has no all-to-all combiner) and with an fp32 wire
     (``grad_reduce_in_fp32``), where per-parameter reduce-scatters saved no memory in the same
     compile (1.47x either way) and XLA left the first one without overlap. Cotangents: zero for
-    ``pieces``, the reduced bucket shard for ``acc`` (or, where :func:`reduces_per_parameter`,
+    ``pieces``, the reduced bucket shard for ``acc`` (or, where
+    :func:`jaxdp._src.strategy.plan.reduces_per_parameter`,
     ``acc`` is a tuple of this rank's per-parameter pieces and so is its cotangent), the
     non-finite flags for ``flags``.
     """
-    axis = config.data_axis
-    acc_dt = jnp.dtype(config.main_grads_dtype)
+    acc_dt = wire.accumulate
     if not gathers_per_parameter(layout):
         raise ValueError(
             f"make_leaf_gather: layout kind {layout.kind!r}"
@@ -289,18 +226,13 @@ def make_leaf_gather(
             "layout without stacks (use make_bucket_gather or jaxdp._src.zero3.scan)."
         )
     slots = list(b.slots)
-    reduce_per_leaf = not (
-        config.reduce_scatter_with_fp32_accumulation
-        or config.deterministic_reduction
-        or jnp.dtype(b.grad_dtype).itemsize >= 4
-    )
-    per_slot_acc = reduces_per_parameter(config, layout)  # acc: one array per parameter
+    reduce_per_leaf = not (wire.all_to_all or jnp.dtype(b.grad_dtype).itemsize >= 4)
 
     @jax.custom_vjp
     def gather(pieces: tuple[jax.Array, ...], acc: jax.Array, flags: jax.Array) -> list[jax.Array]:
         del acc, flags
         return [
-            layout._leaf_from_global(i, jax.lax.all_gather(x, axis, tiled=True))
+            layout.leaf_from_global(i, jax.lax.all_gather(x, axis, tiled=True))
             for i, x in zip(slots, pieces, strict=True)
         ]
 
@@ -312,23 +244,23 @@ def make_leaf_gather(
         if reduce_per_leaf:
             parts, div = {}, 1
             for i, ct in zip(slots, cts, strict=True):
-                flat = layout._leaf_to_global(i, ct, acc_dt)
+                flat = layout.leaf_to_global(i, ct, acc_dt)
                 # deferred even with one micro-batch: a power-of-two scale is left to the
-                # final division (_reduce_one), the same bits without a pass over the gradient
-                parts[i], div = _reduce_one(flat, b, layout, config, num_microbatches, True)
+                # final division (reduce_one), the same bits without a pass over the gradient
+                parts[i], div = reduce_one(flat, b, layout, wire, num_microbatches, True, axis=axis)
             red = (
                 tuple(parts[i] for i in slots)
                 if per_slot_acc
-                else layout._fill(b, parts, parts[slots[0]].dtype)
+                else layout.fill(b, parts, parts[slots[0]].dtype)
             )
         else:
             leaves: list[Any] = [None] * len(layout.slots)
             for i, ct in zip(slots, cts, strict=True):
                 leaves[i] = ct
-            flat = layout._pack_interleaved(b, leaves, acc_dt)
-            red, div = _reduce_one(flat, b, layout, config, num_microbatches, deferred)
+            flat = layout.pack_interleaved(b, leaves, acc_dt)
+            red, div = reduce_one(flat, b, layout, wire, num_microbatches, deferred, axis=axis)
         divisors.append(div)  # a static int, the same at every trace
-        if config.check_for_nan_in_grad:
+        if wire.check_nan:
             bad = _nonfinite_flags(cts)
         else:
             bad = _varying_like(jnp.zeros((len(slots),), jnp.float32), cts[0])
@@ -348,8 +280,11 @@ def make_leaf_gather(
 def zero3_value_and_grad(
     parts: Callable[[Any, Any], Any],
     layout: BucketLayout,
-    config: DDPConfig,
+    wire: Wire,
     *,
+    axis: str,
+    policy: Callable[..., bool],
+    per_slot: bool,
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., Any], list[int], Callable[..., Any]]:
@@ -363,7 +298,7 @@ def zero3_value_and_grad(
     d_flags))`` (``loss`` is the same function undifferentiated) where ``view`` is this rank's
     shard view of the working params (:meth:`BucketLayout.shard_view`, working dtype), ``accs``
     zeros per bucket (``main_grads_dtype[shard_numel]``; per parameter, this rank's piece,
-    where :func:`reduces_per_parameter`) and ``flags`` zeros per bucket
+    where :func:`jaxdp._src.strategy.plan.reduces_per_parameter`) and ``flags`` zeros per bucket
     (``float32[len(slots)]``);
     ``d_accs`` are the reduced gradient shards and ``d_flags`` the non-finite flags. With
     ``num_microbatches > 1`` the reductions are deferred (unscaled sums, as at stage 2):
@@ -375,13 +310,17 @@ def zero3_value_and_grad(
     divisors: list[int] = []
     # Interleaved layouts gather (and reduce-scatter) per parameter: see make_leaf_gather.
     per_leaf = gathers_per_parameter(layout)
-    per_slot = reduces_per_parameter(config, layout)  # accs: one per parameter, not bucket
-    make = make_leaf_gather if per_leaf else make_bucket_gather
+    make = (
+        functools.partial(make_leaf_gather, per_slot_acc=per_slot)
+        if per_leaf
+        else make_bucket_gather
+    )
     gathers: list[Callable[..., Any]] = [
         make(
             b,
             layout,
-            config,
+            wire,
+            axis=axis,
             num_microbatches=num_microbatches,
             deferred=num_microbatches > 1,
             divisors=divisors,
@@ -416,7 +355,5 @@ def zero3_value_and_grad(
     def loss(accs: Any, flags: Any, view: Any, mb: Any) -> Any:
         return parts(run(gather_all, view, accs, flags), mb)
 
-    vg = jax.value_and_grad(
-        jax.checkpoint(loss, policy=remat_policy_for(config)), argnums=(0, 1), has_aux=True
-    )
+    vg = jax.value_and_grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1), has_aux=True)
     return vg, divisors, loss

@@ -1,7 +1,7 @@
 """Stage 3's rematerialisation: which intermediates the backward pass keeps.
 
 ZeRO-3 wraps the user's loss in ``jax.checkpoint`` so the gathered params are not kept alive
-between the forward and backward pass (they are gathered again). ``DDPConfig.remat_policy``
+between the forward and backward pass (they are gathered again). ``remat_policy``
 picks what else is saved; :func:`remat_policy_for` is the one place that maps the field to a
 policy, and every policy refuses the gathered params (named :data:`GATHERED`) and what layout
 primitives derive from them.
@@ -15,15 +15,12 @@ from typing import Any
 
 import jax
 
-from ..config.config import DDPConfig
-
 __all__ = [
     "DOT_OPERAND",
     "GATHERED",
     "SCAN_CARRY",
     "dots_policy",
     "gemm_policy",
-    "names_dot_operands",
     "not_gathered_policy",
     "remat_policy_for",
 ]
@@ -164,31 +161,17 @@ _POLICIES: dict[str, Callable[..., bool]] = {
 }
 
 
-def names_dot_operands(config: DDPConfig) -> bool:
-    """Whether stage 3 names the operands of the loss's batched dots
-    (:func:`jaxdp._src.zero3.dot_operands.name_batched_dot_operands`): for the policies that save
-    them.
+def remat_policy_for(name: str) -> Callable[..., bool]:
+    """The ``jax.checkpoint`` policy of stage 3 named ``name`` (``remat_policy``).
 
-    Example:
-        >>> from jaxdp import DDPConfig
-        >>> names_dot_operands(DDPConfig(zero_stage=3)), names_dot_operands(
-        ...     DDPConfig(zero_stage=3, remat_policy="nothing"))
-        (True, False)
-    """
-    return config.remat_policy in ("gemm", "dots")
-
-
-def remat_policy_for(config: DDPConfig) -> Callable[..., bool]:
-    """The ``jax.checkpoint`` policy of stage 3 for ``config.remat_policy``.
-
-    The one place that maps the field to a policy: :func:`zero3_value_and_grad` and
-    :func:`jaxdp._src.zero3.scan.zero3_scan_value_and_grad` (outer loss and scan bodies) use it.
+    The one place that maps the field to a policy: the plan hands the policy to
+    :func:`jaxdp._src.zero3.gather.zero3_value_and_grad` and
+    :func:`jaxdp._src.zero3.scan.zero3_scan_value_and_grad` (outer loss and scan bodies).
     Every policy refuses the gathered params (named :data:`GATHERED`) and what layout
     primitives derive from them, so the backward pass gathers them again.
 
     Example:
-        >>> from jaxdp import DDPConfig
-        >>> remat_policy_for(DDPConfig(zero_stage=3)) is gemm_policy
+        >>> remat_policy_for("gemm") is gemm_policy
         True
     """
-    return _POLICIES[config.remat_policy]
+    return _POLICIES[name]

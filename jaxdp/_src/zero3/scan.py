@@ -6,7 +6,7 @@ the loss: every layer's full params alive at once. Instead:
 
 * :func:`find_stacks` (layout time, shapes only) finds such leaves with
   :func:`jaxdp._src.zero3.scan_gather.find_scanned_axes` on an abstract micro-batch, plus the user's
-  ``DDPConfig.scan_param_patterns`` (which win). :class:`jaxdp.BucketLayout` then stores each
+  ``scan_param_patterns`` (which win). :class:`jaxdp.BucketLayout` then stores each
   one per layer in a bucket of its own (:mod:`jaxdp._src.layout.stacked`: rank ``r`` holds piece
   ``r`` of
   every layer, locally an ``[L, p]`` block), and master weights, optimizer state and the fp32
@@ -23,14 +23,13 @@ the loss: every layer's full params alive at once. Instead:
   so each stack enters the scan as one fp32 ``[L, 2p + 1]`` array ``[shard | acc | flag]``
   whose per-layer rows the gather splits; its cotangent carries the reduced ``[L, p]``
   gradient and one non-finite flag per layer. The scan bodies are rematerialised with
-  ``DDPConfig.remat_policy`` (:func:`jaxdp._src.zero3.remat.remat_policy_for`), so the backward loop
+  ``remat_policy`` (:func:`jaxdp._src.zero3.remat.remat_policy_for`), so the backward loop
   gathers every layer again.
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,21 +37,21 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..config.config import DDPConfig
-from ..layout.layout import BucketLayout, path_str
+from ..comm.wire import Wire
+from ..layout.layout import BucketLayout, LayoutRules, path_str
 from ..layout.stacked import layer_shape
 from .gather import make_bucket_gather
-from .remat import GATHERED, SCAN_CARRY, remat_policy_for
+from .remat import GATHERED, SCAN_CARRY
 from .scan_gather import find_scanned_axes, gather_in_scans
 
-__all__ = ["find_stacks", "finds_stacks", "warn_if_undetected", "zero3_scan_value_and_grad"]
+__all__ = ["find_stacks", "zero3_scan_value_and_grad"]
 
 
-def _abstract_microbatch(batch: Any, config: DDPConfig, dp: int) -> Any:
+def _abstract_microbatch(batch: Any, num_microbatches: int, dp: int) -> Any:
     def one(x: Any) -> jax.ShapeDtypeStruct:
         shape = tuple(jnp.shape(x))
         n = shape[0] if shape else 1
-        per = n // (config.num_microbatches * dp) if n >= config.num_microbatches * dp else n
+        per = n // (num_microbatches * dp) if n >= num_microbatches * dp else n
         return jax.ShapeDtypeStruct((max(per, 1), *shape[1:]), jnp.result_type(x))
 
     return jax.tree.map(one, batch)
@@ -62,90 +61,70 @@ def find_stacks(
     loss_fn: Callable[..., Any],
     params: Any,
     example_batch: Any,
-    config: DDPConfig,
     dp: int,
     previous: dict[int, int] | None = None,
+    *,
+    num_microbatches: int = 1,
+    param_dtype: str | None = None,
+    patterns: tuple[tuple[str, int], ...] = (),
 ) -> dict[int, int]:
     """``{leaf index: stacked axis}`` of the layer stacks to gather per layer (the plan calls
-    it where stacks are gathered per layer: :func:`finds_stacks`).
+    it where stacks are gathered per layer: :func:`jaxdp._src.strategy.plan.finds_stacks`).
 
-    Detection (``config.scan_layers``) needs ``example_batch`` (a global batch, arrays or
-    ``ShapeDtypeStruct``); without one the stacks of ``previous`` (an earlier ``init``) are kept.
-    ``config.scan_param_patterns`` are applied last and win; one that matches no leaf raises.
+    Detection (``scan_layers``) needs ``example_batch`` (a global batch, arrays or
+    ``ShapeDtypeStruct``, cut into ``num_microbatches`` per rank; params traced in
+    ``param_dtype``); without one the stacks of ``previous`` (an earlier ``init``) are kept.
+    ``patterns`` (``scan_param_patterns``) are applied last and win; one that matches no leaf
+    raises.
     """
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     found: dict[int, int] = dict(previous or {})
     if example_batch is not None:
         work = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(
-                jnp.shape(x), jnp.dtype(config.param_dtype or jnp.result_type(x))
+                jnp.shape(x), jnp.dtype(param_dtype or jnp.result_type(x))
             ),
             params,
         )
-        mb = _abstract_microbatch(example_batch, config, dp)
+        mb = _abstract_microbatch(example_batch, num_microbatches, dp)
         found = {i: ax for i, (ax, _) in find_scanned_axes(loss_fn, work, mb).items()}
     paths = [path_str(kp) for kp, _ in flat]
-    for pat, _ in config.scan_param_patterns:
+    for pat, _ in patterns:
         if not any(re.search(pat, p) for p in paths):
             raise ValueError(
-                f"DDPConfig.scan_param_patterns: the pattern {pat!r} matches no parameter; "
+                f"scan_param_patterns: the pattern {pat!r} matches no parameter; "
                 f"paths are {paths}. Fix: correct the regex (matched with re.search)."
             )
     for i, p in enumerate(paths):  # the first matching rule wins, over detection
-        rule = next(
-            ((pat, ax) for pat, ax in config.scan_param_patterns if re.search(pat, p)), None
-        )
+        rule = next(((pat, ax) for pat, ax in patterns if re.search(pat, p)), None)
         if rule is not None:
             ndim = len(jnp.shape(flat[i][1]))
             if rule[1] >= ndim:
                 raise ValueError(
-                    f"DDPConfig.scan_param_patterns: {rule[0]!r} marks axis {rule[1]} of {p!r}, "
+                    f"scan_param_patterns: {rule[0]!r} marks axis {rule[1]} of {p!r}, "
                     f"whose shape is {tuple(jnp.shape(flat[i][1]))}. Fix: give its stacked axis."
                 )
             found[i] = rule[1]
     return dict(sorted(found.items()))
 
 
-def finds_stacks(config: DDPConfig) -> bool:
-    """Whether ``config`` gathers scanned layer stacks per layer (stage 3, ``scan_layers``,
-    the interleaved layout; the plan asks, on meshes without tensor-parallel params)."""
-    return config.zero_stage == 3 and config.scan_layers and config.bucket_layout == "interleaved"
-
-
-def warn_if_undetected(engine: Any, batch: Any) -> None:
-    """First step at stage 3 without an ``example_batch`` at ``init``: warn if stacks exist."""
-    cfg, layout = engine.config, engine.layout
-    if not engine.plan.finds_stacks:
-        return
-    params = jax.tree_util.tree_unflatten(
-        layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
-    )
-    try:
-        found = find_stacks(
-            engine._plain_loss, params, batch, cfg.replace(scan_param_patterns=()), 1
-        )
-    except Exception:  # detection is advice only; the step reports real errors itself
-        return
-    missing = [layout.slots[i].path for i in found if i not in dict(layout.stacked)]
-    if missing:
-        warnings.warn(
-            f"DataParallel: zero_stage=3 gathers the scanned layer stacks {missing} whole, "
-            "because init() got no example batch to detect them. Fix: "
-            "dp.init(params, example_batch=batch) to gather them one layer per scan iteration "
-            "(or mark them with DDPConfig.scan_param_patterns).",
-            stacklevel=3,
-        )
-
-
 def zero3_scan_value_and_grad(
     parts: Callable[[Any, Any], Any],
     layout: BucketLayout,
-    config: DDPConfig,
+    wire: Wire,
     *,
+    axis: str,
+    policy: Callable[..., bool],
+    rules: LayoutRules,
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
+    per_slot: bool = False,
 ) -> tuple[Callable[..., Any], list[int], Callable[..., Any]]:
     """:func:`jaxdp._src.zero3.gather.zero3_value_and_grad` for a layout with per-layer stacks.
+
+    ``rules``: the layout's (:class:`jaxdp.BucketLayout` is built from them; each layer's
+    slices are laid out by them, one bucket per buffer). ``per_slot`` is unused: stacks keep
+    one accumulator per bucket.
 
     Same protocol: ``vg(accs, flags, shards, mb) -> ((loss, aux), (d_accs, d_flags))`` with one
     entry per bucket (``accs``/``flags`` of stack buckets are ignored), one divisor per bucket
@@ -154,16 +133,22 @@ def zero3_scan_value_and_grad(
     whole params only (the plan gives it no ``place``: stacks are not detected on
     tensor-parallel meshes).
     """
-    del place
+    del place, per_slot
     g, deferred, dp = num_microbatches, num_microbatches > 1, layout.dp_size
-    acc_dt = jnp.dtype(config.main_grads_dtype)
+    acc_dt = wire.accumulate
     stacked = dict(layout.stacked)
     stack_of = {layout.slots[i].bucket: i for i in stacked}
     plain = [b for b in layout.buckets if b.index not in stack_of]
     divs: dict[Any, list[int]] = {b.index: [] for b in plain}
     gathers = {
         b.index: make_bucket_gather(
-            b, layout, config, num_microbatches=g, deferred=deferred, divisors=divs[b.index]
+            b,
+            layout,
+            wire,
+            axis=axis,
+            num_microbatches=g,
+            deferred=deferred,
+            divisors=divs[b.index],
         )
         for b in plain
     }
@@ -173,12 +158,7 @@ def zero3_scan_value_and_grad(
         n_layers = s.shape[ax]
         mdt = jnp.result_type(jnp.float32, acc_dt, layout.buckets[s.bucket].dtype)
         info[i] = (n_layers, (s.end - s.start) // max(n_layers, 1), mdt)
-    one_layer = config.replace(
-        bucket_size=None,
-        pad_buckets_for_high_nccl_busbw=False,
-        own_bucket_param_patterns=(),
-        scan_param_patterns=(),
-    )
+    one_layer = rules.replace(bucket_size=None, high_nccl_busbw=False, own_bucket_param_patterns=())
     layer_layouts: dict[tuple[int, ...], BucketLayout] = {}
 
     def gather(rows: dict[int, jax.Array]) -> dict[int, jax.Array]:
@@ -190,7 +170,7 @@ def zero3_scan_value_and_grad(
                 )
                 for i in keys
             )
-            layer_layouts[keys] = BucketLayout.from_params(shapes, one_layer, dp)
+            layer_layouts[keys] = BucketLayout.build(shapes, one_layer, dp)
         ll = layer_layouts[keys]
         shard, acc, flag = {}, {}, {}
         for j, i in enumerate(keys):
@@ -202,10 +182,10 @@ def zero3_scan_value_and_grad(
             for j in b.slots:
                 divs[("leaf", keys[j])] = lst
             gb = make_bucket_gather(
-                b, ll, config, num_microbatches=g, deferred=deferred, divisors=lst
+                b, ll, wire, axis=axis, num_microbatches=g, deferred=deferred, divisors=lst
             )
             flags = jnp.stack([flag[j].astype(jnp.float32) for j in b.slots])
-            full.append(gb(ll._fill(b, shard, b.dtype), ll._fill(b, acc, acc_dt), flags))
+            full.append(gb(ll.fill(b, shard, b.dtype), ll.fill(b, acc, acc_dt), flags))
         leaves = jax.tree.leaves(ll.unpack(tuple(full)))
         return {i: leaves[j] for j, i in enumerate(keys)}
 
@@ -217,10 +197,9 @@ def zero3_scan_value_and_grad(
             for i in b.slots:
                 s = layout.slots[i]
                 cols = mat[:, s.start - b.start : s.end - b.start]
-                leaves[i] = layout._leaf_from_global(i, cols.reshape(-1))
+                leaves[i] = layout.leaf_from_global(i, cols.reshape(-1))
         return leaves
 
-    policy = remat_policy_for(config)
     scanned = gather_in_scans(
         parts,
         stacked,
@@ -245,7 +224,6 @@ def zero3_scan_value_and_grad(
     divisors: list[int] = []
 
     def vg(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:
-        axis = config.data_axis
         mixed = {}
         for i in stacked:
             s = layout.slots[i]
@@ -270,7 +248,7 @@ def zero3_scan_value_and_grad(
             b = layout.buckets[layout.slots[i].bucket]
             _, p, _ = info[i]
             dm = d_mixed[i]
-            red[b.index] = layout._fill(b, {i: dm[:, p : 2 * p].astype(acc_dt).reshape(-1)}, acc_dt)
+            red[b.index] = layout.fill(b, {i: dm[:, p : 2 * p].astype(acc_dt).reshape(-1)}, acc_dt)
             bad[b.index] = jnp.max(dm[:, 2 * p]).astype(jnp.float32)[None]
         for b in layout.buckets:
             leaf = stack_of.get(b.index)
@@ -280,7 +258,7 @@ def zero3_scan_value_and_grad(
 
     def forward(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:  # for shapes only
         del accs, flags
-        full = tuple(jax.lax.all_gather(x, config.data_axis, tiled=True) for x in shards)
+        full = tuple(jax.lax.all_gather(x, axis, tiled=True) for x in shards)
         return parts(layout.unpack(full), mb)
 
     return vg, divisors, forward

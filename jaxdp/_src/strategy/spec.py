@@ -1,0 +1,32 @@
+"""What a step does around its collectives, decided by the plan: the typed values the
+strategy, its kernel and the per-device body are built from (the collectives' own spec is
+:class:`jaxdp._src.comm.wire.Wire`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["StepSpec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The step's settings below the plan.
+
+    Attributes:
+        num_microbatches: ``G``, micro-batches accumulated per step.
+        param_dtype: the params' working dtype (``None``: their own).
+        clip_grad: the global-norm clip (``None``: off).
+        model_state_sync: how ranks' model states combine: ``"mean"`` or ``"broadcast"``.
+        fusion: gradient-accumulation fusion of :mod:`jaxdp.nn` layers.
+
+    Example:
+        >>> StepSpec(num_microbatches=4).num_microbatches
+        4
+    """
+
+    num_microbatches: int = 1
+    param_dtype: str | None = None
+    clip_grad: float | None = None
+    model_state_sync: str = "mean"
+    fusion: bool = False
