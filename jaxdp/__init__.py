@@ -11,9 +11,6 @@ from ._src.platform.frames import exclude_engine_frames as _exclude_engine_frame
 
 _exclude_engine_frames()  # operations' source locations start at the user's code
 
-from . import aot as aot
-from . import nn as nn
-from . import testing as testing
 from ._src.comm.public import reduce_buckets as reduce_buckets
 from ._src.comm.public import reduce_gradients as reduce_gradients
 from ._src.comm.reduce import all_to_all_fp32_reduce_scatter as all_to_all_fp32_reduce_scatter
@@ -46,6 +43,12 @@ from ._src.zero3.scan_gather import find_scanned_axes as find_scanned_axes
 from ._src.zero3.scan_gather import find_scanned_leaves as find_scanned_leaves
 from ._src.zero3.scan_gather import gather_in_scans as gather_in_scans
 from ._src.zero3.scan_gather import stacked_by_path as stacked_by_path
+
+# isort: split
+# The tools stand on the public names above (aot and testing import them from jaxdp).
+from . import aot as aot
+from . import nn as nn
+from . import testing as testing
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._src.engine.engine import DataParallel
+from .. import DataParallel
 from .._src.platform.xla_flags import with_passes_off, xla_compiler_options
 from ._report import Collective, ScheduleReport
 

@@ -16,8 +16,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from .. import make_mesh
 from .._src.platform.platform import cuda_plugin_available
-from .._src.topology.mesh import make_mesh
 
 __all__ = ["target_config", "h100_topology", "h100_mesh", "TARGET_CONFIGS"]
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from .._src.core.fusion import _SCOPE, fused_matmul, fusion_dtype
+from .._src.core.fusion import SCOPE, fused_matmul, fusion_dtype
 
 __all__ = ["Dense", "DenseGeneral", "Linear"]
 
@@ -52,7 +52,7 @@ class Dense(linen.Dense):
 
     @linen.compact
     def __call__(self, inputs: Any) -> jax.Array:
-        if _SCOPE.get() is None or self.dot_general is not None or self.dot_general_cls is not None:
+        if SCOPE.get() is None or self.dot_general is not None or self.dot_general_cls is not None:
             return super().__call__(inputs)
         kernel: Any = self.param(
             "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
@@ -95,7 +95,7 @@ class DenseGeneral(linen.DenseGeneral):
     @linen.compact
     def __call__(self, inputs: Any) -> jax.Array:
         if (
-            _SCOPE.get() is None
+            SCOPE.get() is None
             or self.batch_dims
             or self.dot_general is not None
             or self.dot_general_cls is not None
@@ -173,7 +173,7 @@ class Linear(nnx.Linear):
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         if (
-            _SCOPE.get() is None
+            SCOPE.get() is None
             or self.dot_general is not lax.dot_general
             or self.preferred_element_type is not None
             or out_sharding is not None

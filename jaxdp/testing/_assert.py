@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._src.core.state import TrainState
+from .. import TrainState
 from ._reference import Reference, ReferenceState
 
 __all__ = ["assert_matches_reference", "assert_trees_close", "reduced_gradient", "tolerance"]

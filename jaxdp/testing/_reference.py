@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._src.config.config import DDPConfig
+from .. import DDPConfig
 from .._src.core.loss import LossCall, check_init_inputs, loss_parts
 
 __all__ = ["Reference", "ReferenceState"]

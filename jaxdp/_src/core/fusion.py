@@ -75,16 +75,16 @@ class _Scope:
     by_id: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
-_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("jaxdp_fusion", default=None)
+SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("jaxdp_fusion", default=None)
 
 
 @contextlib.contextmanager
 def _scope(scope: _Scope) -> Iterator[_Scope]:
-    token = _SCOPE.set(scope)
+    token = SCOPE.set(scope)
     try:
         yield scope
     finally:
-        _SCOPE.reset(token)
+        SCOPE.reset(token)
 
 
 def _match(leaf_path: str, paths: set[str] | dict[str, Any]) -> str | None:
@@ -110,7 +110,7 @@ def fusion_dtype(kernel: Any, path: tuple[str, ...] | None = None) -> Any:
         >>> fusion_dtype(jnp.zeros((2, 2)), ("dense",)) is None
         True
     """
-    scope = _SCOPE.get()
+    scope = SCOPE.get()
     if scope is None:
         return None
     key = None if path is None else "/".join((*path, "kernel"))
