@@ -279,7 +279,9 @@ def _gpu_block(path: str) -> str:
 
 
 def _section(title: str, module: str, seconds: float, body: str) -> str:
-    return f"## {title}: `bench/{module}.py` ({seconds:.0f} s)\n\n{body}"
+    # The anchor is the link target for README.md and docs/: the heading's own slug carries the
+    # seconds, so it changes with every run.
+    return f'## {title}: `bench/{module}.py` ({seconds:.0f} s) <a id="{module}"></a>\n\n{body}'
 
 
 def _section_with(
@@ -412,6 +414,10 @@ def main(argv: list[str] | None = None) -> None:
             *(f"| {k} | {1e3 * v:.1f} | < 1000 ms |" for k, v in layout.items()),
         ]
     )
+    layout_title = (
+        "1. Bucket layout: `BucketLayout.from_params` on a 1,000-leaf pytree"
+        f' ({t_layout:.1f} s) <a id="bench_layout"></a>'
+    )
     total = time.perf_counter() - t_start
     cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     doc = f"""# jaxdp benchmarks
@@ -423,7 +429,7 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {machine()}
 
-## 1. Bucket layout: `BucketLayout.from_params` on a 1,000-leaf pytree ({t_layout:.1f} s)
+## {layout_title}
 
 `bench/bench_layout.py`, dp=8, bucket_size=1,000,000.
 
@@ -461,7 +467,7 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {dispatch_section(dispatch, t_dispatch)}
 
-## 13. GPU: `bench/bench_gpu.py`
+## 13. GPU: `bench/bench_gpu.py` <a id="bench_gpu"></a>
 
 {_gpu_block(args.out)}
 """
