@@ -96,3 +96,18 @@ def test_ddpconfig_table_matches_the_dataclass():
     assert [f for f, _ in rows] == [f.name for f in dataclasses.fields(DDPConfig)]
     for f, default in rows:
         assert ast.literal_eval(default) == DDPConfig.__dataclass_fields__[f].default, f
+
+
+def test_xla_flag_table_matches_xla_flags():
+    """docs/gpu-and-xla-flags.md lists exactly the flags jaxdp.xla_flags emits for some config."""
+    import jaxdp
+
+    text = _read("docs/gpu-and-xla-flags.md")
+    listed = set(re.findall(r"^\| `(xla_gpu_\w+)` \|", text, re.M))
+    emitted = set()
+    for stage, g, jaxlib in [(0, 1, None), (1, 4, None), (3, 1, None), (3, 4, "0.10.2")]:
+        cfg = jaxdp.DDPConfig(zero_stage=stage, num_microbatches=g, param_dtype="bfloat16")
+        kwargs = {"jaxlib_version": jaxlib} if jaxlib else {}
+        for flag in jaxdp.xla_flags(cfg, dp_size=8, **kwargs):
+            emitted.add(flag.removeprefix("--").split("=")[0])
+    assert listed == emitted
