@@ -245,6 +245,20 @@ def test_at_most_eight_floors_of_packages():
     assert max(floor(p) for p in LAYERS) <= 8
 
 
+def test_the_layer_table_is_the_one_contributing_documents():
+    """CONTRIBUTING.md's table of where things live is generated from the tree, in this
+    file's layer order (``python scripts/contributing.py``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "contributing", ROOT / "scripts" / "contributing.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert {p: r - 1 for p, r in mod.LAYERS.items()} == LAYERS
+    assert mod.main(["--check"]) == 0, "run python scripts/contributing.py"
+
+
 def test_figures_stay_out_of_the_library():
     """Measured GPU figures live in BENCHMARKS.md; docstrings keep the why (<= 5 mentions)."""
     hits = [
