@@ -87,6 +87,29 @@ def test_zero3_parity_with_single_device(batches, g, shape):
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
 
 
+@pytest.mark.parametrize("g", [1, 2])
+def test_zero3_with_bf16_params_matches_stage2(batches, g):
+    """Stage 3 with bf16 working params on a data x model mesh: the nested regions keep one
+    accumulator per bucket, and the gathers' transpose must reduce into those (it once expected
+    one per parameter, as on a 1-D mesh, and failed to trace). Stage 2 reduces the same bf16
+    gradients with the same wire; the fp32 sums group differently (in the gathers' transpose),
+    so the fp32 master agrees to fp32 rounding. Momentum SGD, not Adam: Adam turns a last-bit
+    difference of a near-zero gradient into a step of lr; SGD keeps it at lr x 5.6 x a few
+    fp32 ulps of the gradient after 3 steps (allowed: 1e-7 absolute)."""
+    mesh = tp_mesh(4, 2)
+    out = {}
+    for stage in (2, 3):
+        opt = optax.sgd(1e-2, momentum=0.9)
+        dp, _ = engine(mesh, opt, zero_stage=stage, num_microbatches=g, param_dtype="bfloat16")
+        state = dp.init(place(tp_params(), mesh))
+        state, norms = train_steps(dp, state, batches[:3])
+        out[stage] = (dp.params(state), norms)
+    np.testing.assert_allclose(out[3][1], out[2][1], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out[2][0]), jax.tree.leaves(out[3][0]), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_overlap_param_gather_on_a_2d_mesh(batches, stage):
     """overlap_param_gather keeps the working params sharded between steps on a data x model

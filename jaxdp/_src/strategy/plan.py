@@ -405,7 +405,9 @@ def _strategy(
     z3: dict[str, Any] = dict(
         axis=config.data_axis,
         policy=remat_policy_for(config.remat_policy),
-        per_slot=reduces_per_parameter(config, layout),  # accs: one per parameter, not bucket
+        # accs: one per parameter where the ops reduce per parameter (not on a tensor-parallel
+        # mesh, whose nested regions keep bucket accumulators)
+        per_slot=isinstance(common["ops"], PerParamOps),
     )
     if layout.stacked:  # each layer's slices are laid out by the layout's own rules
         z3["rules"] = rules_of(config, layout.dp_size)
