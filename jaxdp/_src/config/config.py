@@ -110,13 +110,13 @@ class DDPConfig:
             of after the optimizer update; the gathered params serve all micro-batches (one
             gather per bucket per step). Needs a distributed optimizer (``zero_stage >= 1``);
             ``zero_stage=3`` implies it (its params are always sharded and gathered at use).
-            Default ``False``, from the compiled 8-H100 program (``bench/bench_memory_gpu.py``:
-            4.2M-param MLP, 5 buckets, bf16, Adam): at ``G = 1`` it overlaps every gather but
-            the first with forward GEMMs (at the end of the step they overlap only splitting the
-            previous bucket) but the per-device total is 4.78 bytes/param against 4.60 without
-            it; with ``G = 4`` the gathered params stay live through the micro-batch loop next
-            to their unpacked copies (stage 1: 8.11 -> 10.32, stage 2: 5.76 -> 7.98). Turn it
-            on at ``G = 1`` when the exposed end-of-step gathers cost more than 0.2 B/param.
+            Default ``False``, from the program compiled for compile-only GPUs
+            (``bench/bench_memory_gpu.py``, BENCHMARKS.md section 4): at ``G = 1`` it overlaps
+            every gather but the first with forward GEMMs (at the end of the step they overlap
+            only splitting the previous bucket), but the per-device total grows a little; with
+            ``G = 4`` the gathered params stay live through the micro-batch loop next to their
+            unpacked copies, which costs more. Turn it on at ``G = 1`` when the exposed
+            end-of-step gathers cost more than the memory it adds.
         expert_axis: Mesh axis that experts are distributed over (expert parallelism), or
             ``None``. The dense data-parallel group then spans ``data_axis`` and this axis (the
             batch is split over both); expert params (split over this axis, or matched by
@@ -166,24 +166,16 @@ class DDPConfig:
             consumers instead of writing them out. ``"dots"``: also the outputs of every
             batched ``dot_general`` (XLA's attention scores too) and convolution.
             ``"everything"``: every intermediate but the gathered params (jaxdp before this
-            field). ``"nothing"``: recompute the whole forward pass. Compiled for 8 H100s
-            (``bench/bench_remat.py``, a 100.7M-parameter GPT, 12 layers of width 832,
-            context 512, XLA's attention, ``G = 1``), per device: ``"gemm"`` 2.56 GiB and
-            13.2 GiB of non-GEMM memory traffic (2.88 and 16.3 before it kept the batched
-            dots' operands, 2.81 GiB before it kept the attention's context; the GSPMD ZeRO-1
-            peer, nothing recomputed: 3.88 and 14.8),
-            ``"dots"`` 3.05 GiB and 13.2, ``"everything"`` 6.09 GiB and 27.6, ``"nothing"``
-            3.92 GiB and 18.8. Compiled for one H100 (the 303M GPT of
-            ``configs/gpt_300m_gpu.yaml`` with XLA's attention, 8 sequences): ``"gemm"``
-            15.1 GiB and 82.0 fp32 gradient volumes of traffic (20.3 and 114.2 before it
-            kept the batched dots' operands; the bare step 29.7 and 88.3); it recomputes each
-            layer's attention scores (fp32, ``T x T`` per head), which ``"dots"`` keeps. On
-            one H200 that model's step took 1.095x the bare step at 0.58x its memory, before
-            the context was kept. On one H100 at dp = 1 (the same GPT with cuDNN
-            attention, blocks unrolled, ``G = 1``, where there is no batched dot) the step
-            took 1.040x the bare step with the attention output saved, 1.070x with it
-            recomputed, at 0.81x the bare step's memory; saving every intermediate had cost
-            1.26x.
+            field). ``"nothing"``: recompute the whole forward pass. Compiled for compile-only
+            GPUs (``bench/bench_remat.py``, GPTs with XLA's attention), ``"gemm"`` has the
+            smallest peak of the four and, with ``"dots"``, the least non-GEMM memory traffic,
+            below the GSPMD ZeRO-1 peer's (BENCHMARKS.md section 11) and the bare step's;
+            ``"everything"`` moves the most, since every saved residual is written out.
+            ``"gemm"`` recomputes each layer's attention scores (fp32, ``T x T`` per head),
+            which ``"dots"`` keeps. On a GPU (BENCHMARKS.md section 13), stage 3's step with either
+            policy costs a few percent of device time over the bare step at a fraction of its
+            memory (with cuDNN attention, recomputing the attention output cost more than
+            saving it); saving every intermediate had cost far more time.
             Limitation: a policy sees shapes, not provenance, so a GEMM whose operands both
             come from gathered params only (e.g. a low-rank ``A @ B`` weight) is saved by
             every policy but ``"nothing"`` (its operands are still gathered again for their

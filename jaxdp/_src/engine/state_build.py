@@ -4,12 +4,11 @@
 padded, sharded over the data axis at stages 1-3) and build the optimizer state on top.
 Compiled as one program, that program grows with the parameter count and XLA's cost grows
 faster: at 1,000 leaves (the 128 x 128 MLP of ``bench/bench_compile.py``, stage 1) it took
-4.3 s to compile for 8 compile-only H100s and 1.9 s on XLA:CPU, against 0.55 s for plain
-``jax.jit(optimizer.init)``. Most leaves of a deep model repeat a handful of shapes, so
-here each kind of leaf (:func:`_leaf_key`) gets one small jitted conversion, called once per
-leaf, and the optimizer state one ``jax.jit(optimizer.init)``: 0.74 s for the H100s, and
-``init`` on XLA:CPU 3.8 -> 1.9 s. The values are the one-program path's: the same
-conversions, per leaf.
+several times as long to compile as plain ``jax.jit(optimizer.init)``, on XLA:CPU and for
+compile-only GPUs (BENCHMARKS.md section 7). Most leaves of a deep model repeat a handful of
+shapes, so here each kind of leaf (:func:`_leaf_key`) gets one small jitted conversion, called
+once per leaf, and the optimizer state one ``jax.jit(optimizer.init)``, which cut ``init``'s
+time on both. The values are the one-program path's: the same conversions, per leaf.
 
 Used only where it is cheaper (:func:`per_leaf_plan`): concrete arrays on one process, codecs
 whose views are leaf by leaf (not the megatron buckets or tensor-parallel blocks), and at

@@ -11,11 +11,10 @@ out, and an operation's location starts at the user's code: the line of the mode
 it, or the line that called the step. The model code jaxdp ships (``jaxdp.models``,
 ``jaxdp.nn``) keeps its frames, as flax keeps ``flax.linen``'s layers.
 
-What it saves in compile time, counted in instructions with callgrind (BENCHMARKS.md section 7),
-100-leaf MLP on 8 simulated XLA:CPU devices: stage 1 6.81-6.86 -> 6.60 billion, stage 0 5.90 ->
-5.80 (plain ``jit`` 4.89; with no locations at all, stage 1 6.63 and plain ``jit`` 4.85); 8
-compile-only H100s: stage 1 14.66 -> 14.22 (plain ``jit`` 13.10). XLA's importers had spent
-twice plain ``jit``'s instructions on locations (``GenerateInstructionLocation``).
+It saves compile time, counted in instructions with callgrind on XLA:CPU and for compile-only
+GPUs (BENCHMARKS.md section 7): XLA's importers had spent about twice plain ``jit``'s
+instructions on locations (``GenerateInstructionLocation``), and dropping the engine's frames
+cut a few percent of a jaxdp step's compile.
 
 ``JAXDP_SOURCE_FRAMES=1`` in the environment when jaxdp is imported keeps the engine's frames
 (for debugging jaxdp itself).

@@ -1,6 +1,6 @@
 """Quiet start-up on machines without a GPU when a CUDA plugin is installed.
 
-With ``jax-cuda12-plugin`` installed (jaxdp's ``gpu-aot`` extra, for compile-only H100
+With ``jax-cuda12-plugin`` installed (jaxdp's ``gpu-aot`` extra, for compile-only GPU
 devices) on a machine without an NVIDIA driver, ``import jax`` and the registration of jax's
 PJRT plugins (at the first array creation) print CUDA loader lines, and the first backend start
 prints a ``Jax plugin configuration error`` traceback before falling back to the CPU. Nothing is

@@ -129,9 +129,10 @@ def combine_thresholds(config: DDPConfig, *, dp_size: int | None = None) -> dict
 #: First jaxlib release whose XLA aborts the process (``Check failed: buffer != nullptr`` in
 #: ``CalculateLaunchDimensions``, from ``AnalyticalLatencyEstimator::NodeCost``) when it
 #: schedules a ZeRO-3 step with micro-batches under ``xla_gpu_enable_analytical_latency_estimator``:
-#: seen with jaxlib 0.11.2 on an H100 and on an H200 (the 303M and a 4-layer GPT, cuDNN and XLA
-#: attention), where 0.10.2 compiles the same programs for compile-only H100s. jaxdp does not set
-#: that option from this release on; an ``XLA_FLAGS`` that names it still wins.
+#: seen with jaxlib 0.11.2 on GPU machines (the 303M and a 4-layer GPT, cuDNN and XLA attention;
+#: BENCHMARKS.md section 13), where 0.10.2 compiles the same programs for compile-only GPUs.
+#: jaxdp does not set that option from this release on; an ``XLA_FLAGS`` that names it still
+#: wins.
 ANALYTICAL_ESTIMATOR_BROKEN: Final[Version] = (0, 11, 0)
 
 
@@ -163,21 +164,22 @@ def xla_compiler_options(
     if config.zero_stage == 3 and config.num_microbatches == 1:
         # ZeRO-3 gathers a scanned layer's params inside the loop body; the collective
         # pipeliner starts iteration i+1's gather during iteration i's GEMMs (checked on the
-        # compiled H100 program in tests/test_xla_flags.py: without it the gather is exposed).
-        # Not with micro-batches: it would pipeline the micro-batch loop too, keeping the next
-        # micro-batch's gathered params alive through this one's backward (measured on 8
-        # compile-only H100s, 4.2M-param MLP, G = 4: 4.64 -> 8.88 bytes/param).
+        # program compiled for compile-only GPUs in tests/test_xla_flags.py: without it the
+        # gather is exposed). Not with micro-batches: it would pipeline the micro-batch loop
+        # too, keeping the next micro-batch's gathered params alive through this one's backward
+        # (measured with bench/bench_memory_gpu.py's MLP at G = 4: the bytes per parameter nearly
+        # doubled).
         opts["xla_gpu_enable_pipelined_all_gather"] = True
     elif config.zero_stage == 3 and version < ANALYTICAL_ESTIMATOR_BROKEN:
         # With micro-batches ZeRO-3 runs every one of them in one loop body
         # (jaxdp._src.strategy.kernels.GatherInGrad), whose backward both re-gathers params and
         # reduce-scatters gradients. With XLA's default cost model the scheduler finished the
         # body's backward gathers back to back, first thing; with the analytical one it
-        # interleaves them with the backward's GEMMs (compiled for 8 H100s,
-        # bench/bench_memory_gpu.py's MLP at G = 4: temporaries 2.50 -> 1.48 bytes/param; 1.92
-        # when the last micro-batch ran outside the loop). Not on jaxlib 0.11: its GPU
-        # compiler aborts the whole process in that cost model on these programs (see
-        # ANALYTICAL_ESTIMATOR_BROKEN), so there the scheduler keeps its default model.
+        # interleaves them with the backward's GEMMs, which shrinks the temporaries of
+        # bench/bench_memory_gpu.py's MLP at G = 4 (BENCHMARKS.md section 13). Not on
+        # jaxlib 0.11: its GPU compiler aborts the whole process in that cost model on these
+        # programs (see ANALYTICAL_ESTIMATOR_BROKEN), so there the scheduler keeps its default
+        # model.
         opts["xla_gpu_enable_analytical_latency_estimator"] = True
     _version_for(version, frozenset(opts))
     return {k: v for k, v in opts.items() if _BY_NAME[k].available(version)}
