@@ -16,7 +16,7 @@ plan picks one per engine; none branches on the stage again:
   accumulator per parameter, of the parameter's own shape, packed into buckets once, after the
   last micro-batch (fused with its add). ``acc + dot`` then has the weight gradient's shape, so
   XLA can make the accumulation the weight-gradient GEMM fusion's epilogue instead of a
-  separate pass over a packed bucket (compiled for H100s: the fusion's root is ``acc + dot``);
+  separate pass over a packed bucket (compiled for GPUs: the fusion's root is ``acc + dot``);
   elementwise the sums are the same. The plan uses these with micro-batches wherever the
   params are whole on each device.
 * :class:`ReduceEachMicrobatch` (stage 2): every micro-batch's buckets are reduce-scattered
@@ -180,8 +180,9 @@ class ReduceAtEnd(Kernel):
     (:meth:`after_reduction`). Otherwise XLA's all-reduce combiner may merge the loss's
     ``psum`` with a bucket's of the same dtype (the last, partly filled bucket is under the
     combine threshold), and XLA:GPU copies the operands of a combined all-reduce into one
-    buffer and back: two more passes over that bucket for one scalar (compiled for 8 H100s,
-    fp32 wire: the 100.7M GPT's 17.3M-element bucket, and all of a 100-leaf MLP's gradients).
+    buffer and back: two more passes over that bucket for one scalar (seen compiled for GPUs
+    with an fp32 wire, for the 100.7M GPT's largest bucket and a 100-leaf MLP's gradients;
+    BENCHMARKS.md section 11).
     """
 
     def __init__(
@@ -245,8 +246,8 @@ class ReduceAtEnd(Kernel):
         # The last micro-batch does not depend on the scan, and XLA's scheduler hoists its
         # forward pass (and the start of its backward) above the loop, keeping its activations
         # and a packed gradient bucket alive through it: start it after the loop instead
-        # (compiled for H100s, when stage 2 still peeled its last micro-batch: G = 4 peak
-        # 2.76 -> 2.23 B/param).
+        # (compiled for GPUs, when stage 2 still peeled its last micro-batch, this lowered
+        # its peak at G = 4; measured with bench/bench_memory_gpu.py).
         return after(last, loss) if self.g > 1 else last
 
 
@@ -314,10 +315,9 @@ class GatherInGrad(_Sharded, Kernel):
     On GPUs the loop body's backward gathers need XLA's analytical cost model to stay in
     order (:func:`jaxdp.xla_compiler_options` sets it for this config, up to jaxlib 0.10: 0.11.2
     aborts in it, see ``jaxdp._src.platform.xla_flags.ANALYTICAL_ESTIMATOR_BROKEN``). Compiled for
-    8 H100s
-    (6-layer GPT of width 1024, G = 4, one bucket per layer), the peeled program with XLA's
-    default cost model took 1.66 GiB per device and 26.3 CPU seconds to compile; this one
-    1.23 GiB and 18.5 s."""
+    compile-only GPUs (a 6-layer GPT, G = 4, one bucket per layer), this program needs less
+    memory per device and less compile time than the peeled one with XLA's default cost model
+    (BENCHMARKS.md section 13)."""
 
     peel_last = False
 

@@ -12,9 +12,9 @@ gradients come out already divided, and the collectives sum them as they are.
 What that saves is compile time: one multiply per parameter, which XLA fuses into a producer
 or into the update at run time but which every pass of the compiler (Shardy's propagation and
 export, the fusion passes, the code generators) has to carry. The 128 x 128 MLP of
-``bench/bench_compile.py`` at 100 leaves, instructions of the step's XLA compile (callgrind):
-8 compile-only H100s stage 0 13.84 -> 13.32 billion and stage 1 15.70 -> 14.91 (plain
-``jit``: 13.02); XLA:CPU stage 0 6.08 -> 5.92 and stage 1 7.28 -> 6.99 (plain ``jit``: 4.88).
+``bench/bench_compile.py`` at 100 leaves, instructions of the step's XLA compile (callgrind),
+for compile-only GPUs and on XLA:CPU: a few percent at stages 0 and 1 (BENCHMARKS.md
+section 7).
 
 :func:`loss_divisor` decides where it applies, once per engine (the plan hands the result to
 the operations that reduce, and the kernel that differentiates reads it there): a mean over

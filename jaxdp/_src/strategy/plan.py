@@ -95,13 +95,11 @@ def per_parameter_all_reduce(config: DDPConfig, layout: BucketLayout) -> bool:
     :data:`jaxdp._src.comm.per_param.PASSES_OFF` for the step
     (:meth:`jaxdp._src.comm.per_param.AllReduceOps.passes_off`).
 
-    Compiled for 8 H100s (XLA compile, least of three in one process, rounds alternating with
-    the bucketed path): a 100-leaf MLP 2.08 s against the buckets' 2.62 (plain ``jit`` 1.80),
-    since the updates no longer read slices of a bucket at their own offsets, which XLA's
-    multi-output fusion had merged into a few large kernels, each compiled on its own (1,000
-    leaves: 20 GPU modules against the buckets' 88 and plain ``jit``'s 17); the 100.7M GPT
-    moves 44.86 gradient volumes per step against the buckets' 45.44 (fp32 wire 45.86 against
-    46.94), with no gradient concatenation."""
+    Compiled for compile-only GPUs (BENCHMARKS.md section 7), it compiles faster than the
+    bucketed path, close to plain ``jit``, since the updates no longer read slices of a bucket
+    at their own offsets, which XLA's multi-output fusion had merged into a few large kernels,
+    each compiled on its own; and the 100.7M GPT moves slightly less gradient traffic per step
+    than with buckets, with no gradient concatenation."""
     return layout.kind == "contiguous" and not layout.stacked and not _all_to_all(config)
 
 
@@ -359,8 +357,8 @@ def _strategy(
     # backward overlaps the collectives (jaxdp._src.strategy.local.local_gradients). With one rank
     # there
     # are none, and with overlap_grad_reduce=False none is wanted: the copy of the model
-    # would only double what XLA compiles (one H200, 303M GPT, G = 4: the peeled stage 1
-    # compiled in 1.94x of the bare step's time, stage 2, which never peels, in 1.16x).
+    # would only double what XLA compiles (the peeled stage 1 compiled much slower than
+    # stage 2, which never peels; BENCHMARKS.md section 13).
     peel = group.size > 1 and config.overlap_grad_reduce
     kernel: Callable[..., Any]
     if stage == 0:

@@ -215,9 +215,9 @@ class Strategy:
         value too. XLA then wrote the update once and copied it into the other output
         buffer, one copy kernel per leaf. The master goes out as :func:`jaxdp._src.comm.order.after`
         of the norm instead: the same bits, a value of its own that the update's fusion
-        writes beside the working param (64-layer MLP on one compile-only H100, fp32 params,
-        kernel launches per step: stages 1-2 519 -> 391, stage 3 402 -> 276; bare ``jit``
-        381)."""
+        writes beside the working param, which brings the kernel launches per step of stages
+        1-3 down to about the bare ``jit`` step's (one compile-only GPU, fp32 params;
+        BENCHMARKS.md section 12)."""
         work = self._working(new_target, params, last)
         if not self.has_master:
             return work, None

@@ -76,7 +76,7 @@ class ReductionGroup:
 
     @property
     def platform(self) -> str:
-        """The mesh's device platform (``"cpu"``, ``"gpu"``, ...; compile-only H100s: ``"gpu"``)."""
+        """The mesh's device platform (``"cpu"``, ``"gpu"``, ...; compile-only GPUs: ``"gpu"``)."""
         return str(self.mesh.devices.flat[0].platform)
 
     @property

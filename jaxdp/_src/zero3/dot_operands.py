@@ -16,11 +16,10 @@ of its own.) Operands that layout primitives derive from the params (gathered at
 never saved) are left alone. cuDNN's fused attention has no batched dot (its output and
 statistics are saved by the policies themselves), so there nothing changes.
 
-Measured compiled for 8 H100s (``bench/bench_traffic.py``: the 100.7M GPT of width 832,
-context 512, XLA's attention, ``G = 1``): the stage-3 step's non-GEMM traffic fell from 43.42
-to 35.27 fp32 gradient volumes and its peak from 2.88 to 2.83 GiB; on one H100 (the 303M GPT
-of ``configs/gpt_300m_gpu.yaml`` with XLA's attention, 8 sequences), from 114.2 to 85.7
-gradient volumes and from 20.3 to 16.1 GiB (the bare step: 88.3 and 29.7).
+Compiled for compile-only GPUs with XLA's attention, naming these operands cut the stage-3
+step's non-GEMM traffic and its peak, for the 100.7M GPT of ``bench/bench_traffic.py``
+(BENCHMARKS.md section 11) and, by more, for the 303M GPT of ``configs/gpt_300m_gpu.yaml``,
+whose traffic fell below the bare step's (measured in ``bench/bench_remat.py``).
 
 What is rewritten: the function's own equations, calls (``jit``, ``closed_call``: inlined) and
 ``scan`` bodies (scanned again with ``jax.lax.scan``); a batched dot inside anything else

@@ -201,9 +201,8 @@ def make_leaf_gather(
     its own yields every leaf (and takes every gradient) as its own buffer, which dies after its
     last use. XLA's combiners merge the per-parameter collectives again into groups smaller than
     one bucket (:func:`jaxdp.combine_thresholds`), so the number of collectives stays about one
-    per bucket. Compiled for 8 H100s (``bench/bench_memory_gpu.py``, a 4.2M-parameter MLP in
-    5 buckets), this took stage 3 from 1.13x / 1.28x of its memory formula (G = 1 / 4) to
-    0.89x / 1.10x.
+    per bucket. Compiled for compile-only GPUs (``bench/bench_memory_gpu.py``, BENCHMARKS.md
+    section 4), this brought stage 3 from above its memory formula to below it.
 
     Backward: each leaf's gradient is cast to ``wire.accumulate`` and reduce-scattered
     as :func:`make_bucket_gather` reduces a bucket (the same
