@@ -54,8 +54,8 @@ class GPTConfig:
             takes cuDNN's fused (flash) attention where the default backend is a GPU and the
             inputs are bf16 or fp16 with a head dimension cuDNN takes (a multiple of 8, at most
             128), XLA's elsewhere; ``"cudnn"`` or ``"xla"`` force one. (jax's own default is
-            XLA's, which materialises every ``T x T`` score matrix: on an H200 it made the
-            303M-parameter GPT's step 2.2x slower and twice the memory.)
+            XLA's, which materialises every ``T x T`` score matrix: on a GPU it made the
+            303M-parameter GPT's step much slower and far larger; BENCHMARKS.md section 13.)
 
     Example:
         >>> GPTConfig(layers=2, width=64, heads=2, context=32).width // 2
@@ -152,9 +152,9 @@ class _Embed(nn.Module):
     ``nn.Embed`` gathers rows; the gradient is then a scatter-add into the table in the table's
     dtype. On a GPU that is an atomic add per token and feature, and text repeats bytes, so
     the adds into the few common rows serialise: in the main job (303M GPT, 16 sequences of
-    1024 bytes of Python source per pass) it took 20 ms a micro-batch, 179 of the step's 721 ms
-    of kernel time on an H200 (uniform random tokens: 3.4 ms), and it rounded the running sum
-    to bf16 at every token. Up to :data:`ONE_HOT_MAX_VOCAB` rows the lookup is
+    1024 bytes of Python source per pass) it took a large share of the step's kernel time on
+    a GPU, far more than with uniform random tokens (BENCHMARKS.md section 13), and it rounded
+    the running sum to bf16 at every token. Up to :data:`ONE_HOT_MAX_VOCAB` rows the lookup is
     ``one_hot(tokens) @ table`` instead: the forward is exact (one nonzero term), the gradient
     is a GEMM accumulating in fp32 with no atomics, and it costs ``4 x vocab x width`` FLOPs a
     token (0.05% of the 303M GPT's). Larger tables are gathered from an fp32 copy, so the

@@ -74,13 +74,13 @@ def hold(x: Any, keep: Any, until: jax.Array) -> Any:
     :meth:`jaxdp.DataParallel._step_fn`). Otherwise, once the backward pass has last read a
     param, XLA places temporaries in its buffer until the update writes the new param there.
     XLA assumes only 16-byte alignment for a buffer passed in (256 for its own), so the same
-    fusion in two layers then compiles as two GPU kernels. A 12-layer GPT
-    (``bench/gpu_kernels.py``) on one compile-only H100: stages 0-2 91 kernels held against
-    120 (the bare step: 91), stage 3 94 against 136; on 8, stage 3 with clipping 98 against
-    160. The price is memory where the gradients, not the activations, make the peak: those
-    temporaries need buffers of their own (section 4's MLP on one H100, +0.3-0.5 B/param at
-    G = 1; on 8, replicated params held would cost up to 2 B/param, sharded ones 0.1-0.2),
-    and with more ranks the update waits for the norm (BENCHMARKS.md section 13).
+    fusion in two layers then compiles as two GPU kernels. Held, a 12-layer GPT
+    (``bench/gpu_kernels.py``) compiles as many kernels as the bare step on one compile-only
+    GPU, and stage 3 with clipping far fewer than unheld on 8. The price is memory where the
+    gradients, not the activations, make the peak: those temporaries need buffers of their
+    own (section 4's MLP; held replicated params would cost far more than sharded ones), and
+    with more ranks the update waits for the norm (BENCHMARKS.md section 13, which has the
+    kernel counts and the memory).
 
     Example:
         >>> import jax.numpy as jnp

@@ -52,14 +52,14 @@ __all__ = [
 
 #: XLA passes a step that all-reduces per parameter on GPUs compiles without: XLA:GPU's
 #: ``AllReduceContiguous`` rewrites every combined (variadic) all-reduce into a concatenation
-#: of its operands, one all-reduce and a slice per result. Compiled for 8 H100s, the 100.7M GPT
-#: of BENCHMARKS section 11 moves 46.86 gradient volumes per step with it (fp32 wire 49.86),
-#: 44.86 (45.86) without it, and 45.44 (46.94) with packed buckets. No flag turns it off in
+#: of its operands, one all-reduce and a slice per result. Compiled for compile-only GPUs, the
+#: 100.7M GPT of BENCHMARKS section 11 moves more gradient volumes per step with it than
+#: without it or with packed buckets (BENCHMARKS.md section 7). No flag turns it off in
 #: jaxlib 0.10.2 but the generic ``xla_disable_hlo_passes``, which a compile takes per program.
 PASSES_OFF: Final = ("all-reduce-contiguous",)
 
 #: Reduced gradients per concatenation the gradient norm sums on GPUs (:class:`_PerParameter`;
-#: 8 compiled fastest of 4, 8, 16 and 32 for 8 H100s at 300 leaves).
+#: 8 compiled fastest of 4, 8, 16 and 32 for compile-only GPUs, BENCHMARKS.md section 7).
 NORM_CHUNK: Final = 8
 
 
@@ -88,23 +88,19 @@ class _PerParameter(PlainOps):
       into both the norm and the update). Summed parameter by parameter instead (as Megatron's
       multi-tensor L2 norm sums it), XLA joined every parameter's sum of squares to its update,
       one multi-output reduction fusion per parameter for the fusion passes and the code
-      generator: compiled for 8 H100s (instructions the step's compile executes, callgrind,
-      repeatable to 0.5%), stage 1 at 100 leaves 17.91 billion against 15.70 in chunks of 8
-      (plain ``jit`` 13.09), at 300 leaves 49.89 against 43.76 (chunks of 4 / 16 / 32: 45.16 /
-      44.28 / 46.84; plain ``jit`` 42.62), stage 0 at 100 / 300 leaves 16.04 / 45.81 against
-      13.84 / 38.62. The price: the norm reads each reduced gradient once more, outside its
+      generator: compiled for compile-only GPUs, that step's compile executed clearly more
+      instructions (callgrind) than summing in chunks, at stages 0 and 1 (BENCHMARKS.md
+      section 7). The price: the norm reads each reduced gradient once more, outside its
       update (stage 0: the whole gradient in its wire dtype; stages 1-2: its 1/dp shard), in a
-      few kernels more (100 leaves: 381 against 356 at stage 0, 372 against 360 at stage 1).
-      Whole buckets rebuilt from their reduced parameters (as on XLA:CPU) cost more than either:
-      XLA:GPU's multi-output fusion and partitioner spent 12.6 s more on those concatenations
-      (1,000 leaves: stage 1's XLA compile 69.5 s against 56.9 s; plain ``jit`` 41.8 s), and the
-      1/dp scale of every gradient ran as a pass of its own;
+      few kernels more. Whole buckets rebuilt from their reduced parameters (as on XLA:CPU)
+      cost more than either: XLA:GPU's multi-output fusion and partitioner spent much longer
+      on those concatenations, and the 1/dp scale of every gradient ran as a pass of its own;
     * on XLA:CPU, and with one rank, over each bucket rebuilt by the layout's own fill (gaps and
       padding zero), so the norm is the bucketed path's (and stage 3's) bit for bit. XLA:CPU
-      compiles one reduction of a concatenation far faster than one per parameter (1,000
-      leaves: its fusion pass 1.3 s against 7.7 s); with one rank nothing is scaled, the
+      compiles one reduction of a concatenation far faster than one per parameter (its
+      fusion pass, BENCHMARKS.md section 7); with one rank nothing is scaled, the
       concatenation fused into its reduction is one kernel, and one per parameter would add
-      launches (one compile-only H100, 128 leaves: 1.19x the bare step's 381, against 1.03x).
+      kernel launches over the bare step's (BENCHMARKS.md section 12).
     """
 
     packs_whole_buckets = False  # one array per parameter: the work before its collective fuses
@@ -214,9 +210,8 @@ def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any) -> Any
     a gathered parameter is the param itself, reshaped (or, where the layout padded it to a
     multiple of dp, sliced), not a bucket that stays alive until it is split. The data
     dependences that ordered them bucket by bucket on GPUs until 2026-11-28 (an OR with zero
-    per parameter, XLA scheduling groups) saved no memory (8 compile-only H100s, the 100.7M
-    GPT of BENCHMARKS section 11, bf16 params, peak per device with / without: stage 1
-    3.891 / 3.884 GiB at dp 8, 4.767 / 4.767 at dp 6; stage 2 at ``G = 4`` 3.932 / 3.932) and
-    cost XLA:GPU 13-27% of that GPT's stage 1-2 compile (BENCHMARKS section 7)."""
+    per parameter, XLA scheduling groups) saved no memory (compile-only GPUs, the 100.7M GPT
+    of BENCHMARKS section 11, bf16 params: the same peak per device with or without them)
+    and cost XLA:GPU a good part of that GPT's stage 1-2 compile (BENCHMARKS section 7)."""
     gathered = [jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards]
     return layout.from_global_view(gathered)

@@ -159,8 +159,9 @@ class Unpacked:
     does not compile them alike: ``f`` of each gradient fuses into that gradient's producer
     (or into the concatenation), while ``f`` of a concatenation of about 90 or more arrays
     stays a pass of its own over the packed bucket (XLA:GPU fuses no consumer into it). Compiled
-    for 8 H100s, a 100-leaf MLP at stage 0 with an fp32 wire: 2 gradient volumes per step of
-    scaling by 1/dp, gone when the gradients are scaled one by one.
+    for compile-only GPUs, a 100-leaf MLP at stage 0 with an fp32 wire spent whole gradient
+    volumes per step on scaling by 1/dp, gone when the gradients are scaled one by one
+    (traffic as ``bench/bench_traffic.py`` counts it).
 
     Args:
         layout: the (contiguous) layout ``bucket`` belongs to.
@@ -294,10 +295,10 @@ def reduce_one(
         # A power of two commutes with every rounding of the sum (barring subnormals), so
         # the caller's one division of the fp32 shard applies it, bit for bit as a pre-scale
         # would: the gradient goes on the wire as its GEMM wrote it, with no pass of its own
-        # to scale it (8 H100s, 100.7M GPT: -0.9 gradient volumes per step at stages 1 and
-        # 3). Not with micro-batches: there each one's shard is scaled before it is
-        # accumulated, which kept the loop's buffers smaller (ZeRO-3, G = 4, 8 H100s: 3.70
-        # against 3.82 bytes per parameter unscaled).
+        # to scale it (less traffic per step for the 100.7M GPT at stages 1 and 3, measured
+        # with bench/bench_traffic.py). Not with micro-batches: there each one's shard is scaled
+        # before it is accumulated, which kept the loop's buffers smaller (ZeRO-3, G = 4,
+        # compiled for compile-only GPUs).
         return _psum_scatter(_apply(x, lambda v: v.astype(wdt)), axis), pre
     x = _apply(x, lambda v: divided(v, pre, acc).astype(wdt))
     out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
