@@ -1,8 +1,8 @@
 """Device-less (ahead-of-time) compilation for multi-GPU hosts, and schedule reports.
 
-Compile a :class:`jaxdp.DataParallel` step for 8 H100s on a machine without GPUs (needs the
-``gpu-aot`` extra and ``JAX_PLATFORMS=cpu``) and see which collectives XLA overlaps with
-compute::
+Compile a :class:`jaxdp.DataParallel` step for 8 compile-only GPUs on a machine without any
+(needs the ``gpu-aot`` extra and ``JAX_PLATFORMS=cpu``) and see which collectives XLA overlaps
+with compute::
 
     from jaxdp import DataParallel, DDPConfig
     from jaxdp import aot

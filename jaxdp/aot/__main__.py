@@ -1,5 +1,5 @@
-"""``python -m jaxdp.aot``: compile a DataParallel step for 8 H100s without a GPU and print its
-collective schedule.
+"""``python -m jaxdp.aot``: compile a DataParallel step for 8 compile-only GPUs on a machine
+without one and print its collective schedule.
 
 Example (needs the ``gpu-aot`` extra)::
 
@@ -19,7 +19,7 @@ from typing import Any
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxdp.aot",
-        description="Compile a jaxdp DataParallel step of an MLP for N compile-only H100s "
+        description="Compile a jaxdp DataParallel step of an MLP for N compile-only GPUs "
         "(no GPU needed) and print, per collective, its kind, wire dtype, size and the compute "
         "ops XLA scheduled between its start and its done.",
     )
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="overlap_param_gather (stages 1-2: gather the params in the forward pass)",
     )
-    p.add_argument("--gpus", type=int, default=8, help="H100s on the host (default 8)")
+    p.add_argument("--gpus", type=int, default=8, help="compile-only GPUs on the host (default 8)")
     p.add_argument("--layers", type=int, default=8, help="MLP depth (default 8)")
     p.add_argument("--width", type=int, default=512, help="MLP width (default 512)")
     p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")

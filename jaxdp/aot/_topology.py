@@ -1,4 +1,4 @@
-"""Compile-only NVIDIA H100 devices, for compiling multi-GPU programs on a machine without GPUs.
+"""Compile-only GPU devices, for compiling multi-GPU programs on a machine without GPUs.
 
 With the ``gpu-aot`` extra (``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at the jaxlib version)
 ``jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`` builds devices that
@@ -63,7 +63,7 @@ def _check_int(name: str, value: Any) -> int:
 def h100_topology(
     n: int = 8, *, hosts: int = 1, target_config_text: str | None = None
 ) -> list[jax.Device]:
-    """``hosts * n`` compile-only H100 devices (``n`` per host), for device-less compilation.
+    """``hosts * n`` compile-only GPU devices (``n`` per host), for device-less compilation.
 
     The devices belong to no backend that can run code: use them in a :class:`Mesh`, lower and
     ``.compile()`` (``.as_text()`` is the scheduled GPU program); never execute. The current
@@ -75,7 +75,7 @@ def h100_topology(
         n: GPUs per host.
         hosts: number of hosts (processes); devices are numbered host by host.
         target_config_text: ``GpuTargetConfigProto`` text of another GPU; default: jaxdp's
-            H100 SXM (:func:`target_config`).
+            own target (:func:`target_config`).
 
     Raises:
         ImportError: the ``gpu-aot`` extra is not installed.
@@ -84,7 +84,7 @@ def h100_topology(
     Example (with the ``gpu-aot`` extra; ``tests/test_aot.py`` runs it)::
 
         devices = h100_topology(8)
-        len(devices), devices[0].device_kind  # (8, 'NVIDIA H100 80GB HBM3')
+        len(devices), devices[0].device_kind  # 8, and the device kind jax reports for it
     """
     n, hosts = _check_int("n", n), _check_int("hosts", hosts)
     versions = _plugin_versions()

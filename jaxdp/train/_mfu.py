@@ -8,30 +8,32 @@ from ..models.gpt import GPTConfig
 __all__ = ["PEAK_BF16_TFLOPS", "mfu", "peak_tflops", "train_flops_per_token"]
 
 #: Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device kind, from the vendors' data
-#: sheets; matched as a substring of ``jax.Device.device_kind`` (longest name first).
+#: sheets; matched, in lower case, as a substring of ``jax.Device.device_kind`` lower-cased
+#: (longest name first).
 PEAK_BF16_TFLOPS: dict[str, float] = {
-    "GH200": 989.0,
-    "H200": 989.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-    "L4": 121.0,
+    "gh200": 989.0,
+    "h200": 989.0,
+    "h100 pcie": 756.0,
+    "h100": 989.0,
+    "b200": 2250.0,
+    "a100": 312.0,
+    "l40s": 362.0,
+    "a10g": 70.0,
+    "l4": 121.0,
 }
 
 
 def peak_tflops(device_kind: str) -> float | None:
-    """The dense bf16 peak of ``device_kind`` (e.g. ``"NVIDIA H100 80GB HBM3"``), or ``None``
+    """The dense bf16 peak of ``device_kind`` (e.g. ``"NVIDIA A100-SXM4-80GB"``), or ``None``
     for a device not in :data:`PEAK_BF16_TFLOPS` (CPUs).
 
     Example:
-        >>> peak_tflops("NVIDIA H100 80GB HBM3"), peak_tflops("cpu")
-        (989.0, None)
+        >>> peak_tflops("NVIDIA A100-SXM4-80GB"), peak_tflops("cpu")
+        (312.0, None)
     """
+    kind = device_kind.lower()
     for name in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if name in device_kind:
+        if name in kind:
             return PEAK_BF16_TFLOPS[name]
     return None
 
