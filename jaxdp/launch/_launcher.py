@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -35,6 +34,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from ._args import StrictParser
 
 __all__ = ["main"]
 
@@ -120,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     ours, train_args = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
-    p = argparse.ArgumentParser(prog="python -m jaxdp.launch", description=__doc__.split("\n")[0])
+    p = StrictParser(
+        prog="python -m jaxdp.launch",
+        description=(__doc__ or "").split("\n")[0],
+        unknown_hint="jaxdp-train's arguments go after '--': python -m jaxdp.launch --nproc 2 "
+        "-- --steps 50",
+    )
     p.add_argument("--nproc", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process")
     p.add_argument("--port", type=int, help="coordinator port (default: a free one)")

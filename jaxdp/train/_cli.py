@@ -9,6 +9,7 @@ import sys
 import threading
 from typing import Any
 
+from ..launch._args import StrictParser
 from ._options import ConfigError, RunConfig, apply_set, load_run_config, replace_train
 from ._rundir import UsageError, check_out_dir
 from ._stop import StopRequested, StopSignals, signal_name
@@ -17,7 +18,7 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = StrictParser(
         prog="jaxdp-train",
         description="Train a byte-level GPT with jaxdp's DataParallel (default corpus: the "
         "Python standard library's own .py files; no download).",
@@ -258,7 +259,11 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     cfg = load_run_config(path)
     cfg = apply_set(cfg, args.set)
     if args.zero_stage is not None:
-        cfg = apply_set(cfg, [f"zero_stage={args.zero_stage}"])
+        try:  # reported against the flag typed, not as a --set
+            ddp = cfg.ddp.replace(zero_stage=args.zero_stage)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--zero-stage {args.zero_stage}: {e}") from None
+        cfg = RunConfig(cfg.model, cfg.train, ddp, data=cfg.data)
     if args.data is not None:
         cfg = RunConfig(cfg.model, cfg.train, cfg.ddp, data=args.data)
     return replace_train(
@@ -266,12 +271,23 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     )
 
 
+def _latest_checkpoint(out: str) -> int | None:
+    """The newest complete checkpoint's step in OUT, read from the folder names (orbax renames
+    a finished step's folder to the bare number), without starting jax."""
+    try:
+        steps = [int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()]
+    except OSError:
+        return None
+    return max(steps, default=None)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``jaxdp-train`` / ``python -m jaxdp.train``; returns the exit status.
 
-    0: trained to the last step, or stopped by SIGTERM / SIGINT with a checkpoint of the step
-    every process stopped at; 1: the processes could not connect; 2: bad input; 128 + signal:
-    a signal before the first step (nothing saved).
+    0: trained to the last step, stopped by SIGTERM / SIGINT with a checkpoint of the step
+    every process stopped at, or ``--resume`` of a run already at ``--steps``; 1: the processes
+    could not connect; 2: bad input; 128 + signal: a signal before the first step (nothing
+    saved).
     """
     args = parse_args(argv)
     try:
@@ -294,6 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 cfg = resolve_config(args)
                 check_out_dir(args)
+                at = _latest_checkpoint(args.out) if args.resume else None
+                if at is not None and at >= cfg.train.steps:
+                    steps = cfg.train.steps
+                    where = "= --steps" if at == steps else f"past --steps {steps}"
+                    print(
+                        f"jaxdp-train: nothing to do: the run is at step {at} {where} (--out "
+                        f"{args.out}). Fix: pass a larger --steps to train further.",
+                        flush=True,
+                    )
+                    return 0
                 _init_distributed(args, spec)
                 from ._loop import Trainer
 
