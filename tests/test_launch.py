@@ -1,6 +1,6 @@
 """python -m jaxdp.launch and multi-process jaxdp-train: runs that end (sample and summary
 included), SIGTERM -> a checkpoint at one agreed step -> an exact --resume, dead processes,
-an unreachable coordinator, and SLURM's environment.
+an unreachable coordinator, and the environments of SLURM, jax, MaxText and SkyPilot.
 
 2 processes x 4 devices log bit-identical losses to 1 process x 8 (deterministic_reduction),
 with dropout on.
@@ -201,22 +201,50 @@ def test_sigterm_stops_two_processes_at_one_step_and_resume_matches_one_process(
     assert losses == reference  # bit for bit: before the stop, and after the resume
 
 
-def test_slurm_environment_starts_two_processes(tmp_path, config, cache, reference):
-    out, port, n = str(tmp_path / "slurm"), _free_port(), 6
+def _convention(name, i, port):
+    """Process i of 2 on this host, as each launch convention describes it."""
+    return {
+        "SLURM": {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(i),
+            "SLURM_LOCALID": str(i),
+            "SLURM_STEP_NODELIST": "127.0.0.1",
+            "JAX_COORDINATOR_PORT": str(port),
+        },
+        "jax": {
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(i),
+        },
+        "MaxText": {
+            "JAX_COORDINATOR_IP": "127.0.0.1",
+            "JAX_COORDINATOR_PORT": str(port),
+            "NNODES": "2",
+            "NODE_RANK": str(i),
+        },
+        "SkyPilot": {
+            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n",
+            "SKYPILOT_NODE_RANK": str(i),
+            "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            "JAX_COORDINATOR_PORT": str(port),
+        },
+    }[name]
+
+
+@pytest.mark.parametrize("convention", ["SLURM", "jax", "MaxText", "SkyPilot"])
+def test_a_launch_convention_starts_two_processes(tmp_path, config, cache, reference, convention):
+    """jaxdp-train started twice by a cluster's variables only (no jaxdp.launch, no flags)
+    logs the losses of one process on 8 devices, bit for bit."""
+    out, port, n = str(tmp_path / "conv"), _free_port(), 6
     runs = []
     try:
         for i in range(2):
-            slurm = {
-                "SLURM_JOB_ID": "4242",
-                "SLURM_NTASKS": "2",
-                "SLURM_PROCID": str(i),
-                "SLURM_LOCALID": str(i),
-                "SLURM_STEP_NODELIST": "127.0.0.1",
-                "JAX_COORDINATOR_PORT": str(port),
-            }
             cmd = [sys.executable, "-m", "jaxdp.train", "--config", config, "--out", out]
             cmd += ["--steps", str(n)]
-            runs.append(Run(tmp_path, f"slurm{i}", cmd, _env(cache, devices=4, **slurm)))
+            env = _env(cache, devices=4, **_convention(convention, i, port))
+            runs.append(Run(tmp_path, f"{convention}{i}", cmd, env))
         codes = [r.wait(timeout=300)[0] for r in runs]
         assert codes == [0, 0], runs[0].output()[-2000:] + runs[1].output()[-2000:]
     finally:

@@ -1,7 +1,12 @@
 """``python -m jaxdp.launch --nproc P -- <jaxdp-train args>``: P training processes on this
-host (see ``_launcher.py``)."""
+host (see ``_launcher.py``); and :func:`detect_cluster`, the launch conventions of clusters
+(SLURM, Open MPI, Kubernetes Indexed Job / JobSet, MaxText's and SkyPilot's variables, jax's).
+"""
 
+from ._cluster import Cluster as Cluster
+from ._cluster import ClusterError as ClusterError
+from ._cluster import detect_cluster as detect_cluster
 from ._launcher import main as main
 from ._launcher import stop_processes as stop_processes
 
-__all__ = ["main", "stop_processes"]
+__all__ = ["Cluster", "ClusterError", "detect_cluster", "main", "stop_processes"]
