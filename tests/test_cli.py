@@ -43,7 +43,11 @@ def _run(*args, timeout=240):
         (["jaxdp.train", "--zero-stag", "2"], "--zero-stag 2", "--zero-stage"),
         (["jaxdp.train", "--stpes", "5"], "--stpes 5", "--steps"),
         (["jaxdp.train", "--out=x", "--resum"], "--resum", "--resume"),
-        (["jaxdp.launch", "--nproc", "2", "--gracee", "5"], "--gracee 5", "--grace"),
+        (
+            ["jaxdp.launch", "--nproc", "2", "--hang-timout", "5"],
+            "--hang-timout 5",
+            "--hang-timeout",
+        ),
     ],
 )
 def test_no_abbreviations_and_a_suggestion(cmd, typed, meant):

@@ -1,6 +1,7 @@
 """python -m jaxdp.launch and multi-process jaxdp-train: runs that end (sample and summary
-included), SIGTERM -> a checkpoint at one agreed step -> an exact --resume, dead processes,
-an unreachable coordinator, and the environments of SLURM, jax, MaxText and SkyPilot.
+included, within seconds of the last step), SIGTERM -> a checkpoint at one agreed step -> an
+exact --resume, dead processes, a stopped process (the hang watchdog), an unreachable
+coordinator, and the environments of SLURM, jax, MaxText and SkyPilot.
 
 2 processes x 4 devices log bit-identical losses to 1 process x 8 (deterministic_reduction),
 with dropout on.
@@ -20,6 +21,7 @@ import pytest
 import yaml
 
 from jaxdp.launch import stop_processes
+from jaxdp.launch._progress import read_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200  # a SIGTERM after the first steps lands mid-run (checks are ~0.25 s apart)
@@ -192,7 +194,12 @@ def test_sigterm_stops_two_processes_at_one_step_and_resume_matches_one_process(
     # The launcher's run ends (sample and summary on process 0, every process joining the
     # collectives they need) and matches one process bit for bit, across the stop.
     r = _run([*launch, "--out", two, "--resume", "--steps", str(STEPS)], _env(cache), timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    ended = time.time()
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]  # 0: every process exited 0
+    # the processes end soon after the last step (sample, summary, jax.distributed.shutdown)
+    last_step = os.path.getmtime(os.path.join(two, "metrics.jsonl"))
+    assert ended - last_step < 10, f"{ended - last_step:.1f} s from the last step to the end"
+    print(f"launcher ended {ended - last_step:.1f} s after the last step was logged")
     assert f"resumed at step {saved}" in r.stdout.replace("\n", " ")
     assert "8 x cpu devices in 2 process(es)" in r.stdout.replace("\n", " ")
     assert "jaxdp-train summary" in r.stdout and "sample (after 'def ')" in r.stdout
@@ -275,6 +282,75 @@ def test_dead_coordinator_ends_the_run(tmp_path, config, cache):
         assert not any(_alive(p) for p in run.pids)
     finally:
         run.close()
+
+
+def test_hang_watchdog_ends_a_run_with_a_stopped_process(tmp_path, config, cache):
+    """Process 1 frozen by SIGSTOP at step 10: within --hang-timeout + 60 s the launcher names
+    it and its step, every process has written its Python stacks, none is left, status 124."""
+    out = str(tmp_path / "hang")
+    cmd = [sys.executable, "-m", "jaxdp.launch", "--nproc", "2", "--hang-timeout", "60", "--"]
+    cmd += ["--config", config, "--out", out, "--steps", "100000"]
+    run = Run(tmp_path, "hang", cmd, _env(cache))
+    progress = os.path.join(out, "logs", "progress_1")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert run.proc.poll() is None, run.output()[-3000:]
+            r = read_report(progress)
+            if r is not None and r.step >= 10:
+                break
+            time.sleep(0.005)
+        run.pids = _child_pids(run.err_path)
+        assert len(run.pids) == 2
+        os.kill(run.pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        frozen = read_report(progress)  # where it stopped (nothing writes it any more)
+        rc, _ = run.wait(timeout=180)
+        took = time.monotonic() - t0
+        text = run.output()
+        print(f"SIGSTOP at {frozen}: the launcher exited {took:.1f} s later (rc {rc})")
+        assert rc == 124, text[-3000:]
+        assert took < 120, text[-3000:]
+        assert f"process 1 (pid {run.pids[1]}) made no progress since step {frozen.step}" in text
+        assert frozen.step in (10, 11) and "It is stopped (SIGSTOP" in text
+        assert not any(_alive(p) for p in run.pids)
+        with open(os.path.join(out, "logs", "process_1.log")) as f:
+            assert "most recent call first" in f.read()  # the stopped one's stacks too
+        assert "most recent call first" in run.out_path.read_text() + text  # process 0's
+    finally:
+        run.close()
+
+
+def test_without_a_launcher_the_peers_of_a_stopped_process_end_themselves(tmp_path, config, cache):
+    """Two processes started by jax's variables (no jaxdp.launch), process 1 stopped at step
+    10: process 0's watchdog thread names process 1 as behind (from the reports both published
+    in jax's coordination service), dumps its own stacks and exits 124. The stopped process
+    cannot end itself (docs/launching.md: the cluster launcher removes it)."""
+    out, port, timeout = str(tmp_path / "nolauncher"), _free_port(), 30
+    runs = []
+    try:
+        for i in range(2):
+            cmd = [sys.executable, "-m", "jaxdp.train", "--config", config, "--out", out]
+            cmd += ["--steps", "100000", "--hang-timeout", str(timeout)]
+            env = _env(cache, devices=4, **_convention("jax", i, port))
+            runs.append(Run(tmp_path, f"nolauncher{i}", cmd, env))
+        runs[0].wait_for_steps(out, 10)
+        os.kill(runs[1].proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc, _ = runs[0].wait(timeout=timeout + 120)
+        took = time.monotonic() - t0
+        text = runs[0].output()
+        print(f"process 0 ended itself {took:.1f} s after process 1 was stopped (rc {rc})")
+        assert rc == 124, text[-3000:]
+        assert took < timeout + 60, text[-3000:]
+        assert "jaxdp-train: hang: process 0 of 2 made no progress since step" in text
+        assert "Behind: process 1 (since step" in text
+        assert "most recent call first" in text
+        assert runs[1].proc.poll() is None  # still stopped: the limit of an in-process watchdog
+    finally:
+        for r in runs:
+            r.close()
 
 
 def test_a_killed_launcher_takes_its_processes_along(tmp_path, config):

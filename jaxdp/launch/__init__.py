@@ -1,6 +1,8 @@
-"""``python -m jaxdp.launch --nproc P -- <jaxdp-train args>``: P training processes on this
-host (see ``_launcher.py``); and :func:`detect_cluster`, the launch conventions of clusters
-(SLURM, Open MPI, Kubernetes Indexed Job / JobSet, MaxText's and SkyPilot's variables, jax's).
+"""``python -m jaxdp.launch --nproc P -- <jaxdp-train args>``: P training processes on this host,
+with a hang watchdog; and :func:`detect_cluster`, the launch conventions of clusters.
+
+See ``docs/launching.md``: SLURM, Open MPI, Kubernetes (Indexed Job / JobSet), MaxText's and
+SkyPilot's variables, and what the hang watchdog (``--hang-timeout``) can and cannot catch.
 """
 
 from ._cluster import Cluster as Cluster

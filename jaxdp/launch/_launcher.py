@@ -15,9 +15,13 @@ Signals and failures:
 - If a process dies or fails, the launcher names it and its exit status, sends SIGTERM to the
   others and exits with that status.
 - Processes still running ``--grace`` seconds after a forwarded signal or a failure are killed
-  (SIGKILL). The processes are killed too if the launcher itself dies (Linux: parent-death
-  signal), and they run in their own process group, so a Ctrl-C in the terminal reaches them
-  only once, through the launcher.
+  (SIGKILL, to their process groups, after a SIGCONT for stopped ones). The processes are killed
+  too if the launcher itself dies (Linux: parent-death signal), and they run in their own process
+  group, so a Ctrl-C in the terminal reaches them only once, through the launcher.
+- Hangs (``--hang-timeout``, default 600 s; 0: off): each process reports its step to
+  ``OUT/logs/progress_I``; when no process has reported for that long, the launcher names the
+  process that is behind and its step, has every process write its Python stacks to its log,
+  kills them all and exits with status 124 (see ``_watchdog.py`` and docs/launching.md).
 
 Example::
 
@@ -36,8 +40,15 @@ import time
 from typing import Any
 
 from ._args import StrictParser
+from ._progress import ENV_FILE
+from ._watchdog import HANG_STATUS, LauncherWatch, dump_and_kill, signal_group
 
-__all__ = ["main"]
+__all__ = ["DEFAULT_HANG_TIMEOUT", "main", "stop_processes"]
+
+#: Default ``--hang-timeout`` of the launcher and of jaxdp-train: a wide margin over a first
+#: step's compilation and a checkpoint save (seconds to tens of seconds in BENCHMARKS.md), and
+#: the NCCL termination timeout marin runs with (600 s).
+DEFAULT_HANG_TIMEOUT = 600.0
 
 _PR_SET_PDEATHSIG = 1
 
@@ -92,19 +103,21 @@ def _status(returncode: int) -> int:
 def stop_processes(
     procs: list[subprocess.Popen[Any]], grace: float, sig: int = signal.SIGTERM
 ) -> list[int]:
-    """Send ``sig`` to the live processes, wait up to ``grace`` seconds, SIGKILL the rest.
+    """Send ``sig`` to the live processes (to their process groups, after a SIGCONT), wait up to
+    ``grace`` seconds, SIGKILL the rest.
 
     Returns the indices of the processes that had to be killed.
     """
     for q in procs:
         if q.poll() is None:
-            _send(q, sig)
+            signal_group(q, signal.SIGCONT)  # a stopped process acts on no other signal
+            signal_group(q, sig)
     deadline = time.monotonic() + grace
     while any(q.poll() is None for q in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     killed = [i for i, q in enumerate(procs) if q.poll() is None]
     for i in killed:
-        _send(procs[i], signal.SIGKILL)
+        signal_group(procs[i], signal.SIGKILL)
     for q in procs:
         q.wait()
     return killed
@@ -138,16 +151,27 @@ def main(argv: list[str] | None = None) -> int:
         help="after forwarding a signal or after a process failed, kill (SIGKILL) the "
         "processes still running after this long (default 60)",
     )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT,
+        metavar="SECONDS",
+        help="when no process has made progress (started or finished a step) for this long, "
+        "dump every process's Python stacks to its log, name the process that is behind, kill "
+        f"them all and exit {HANG_STATUS} (default {DEFAULT_HANG_TIMEOUT:g}; 0: off)",
+    )
     args = p.parse_args(ours)
     if args.nproc < 1:
         p.error(f"--nproc {args.nproc}: expected a positive number of processes, e.g. --nproc 2")
-    bad = [
-        a
-        for a in train_args
-        if a.split("=")[0] in ("--coordinator", "--num-processes", "--process-id")
-    ]
+    if args.hang_timeout < 0:
+        p.error(f"--hang-timeout {args.hang_timeout:g}: expected seconds >= 0 (0: off)")
+    theirs = ("--coordinator", "--num-processes", "--process-id", "--hang-timeout")
+    bad = [a for a in train_args if a.split("=")[0] in theirs]
     if bad:
-        p.error(f"{bad[0]} is set by the launcher; remove it from the training arguments")
+        p.error(
+            f"{bad[0]} is set by the launcher; remove it from the training arguments"
+            + (" (pass --hang-timeout before '--')" if bad[0].startswith("--hang") else "")
+        )
     per = args.devices_per_process or max(8 // args.nproc, 1)
     port = args.port or _free_port()
     logs = os.path.join(_out_dir(train_args), "logs")
@@ -156,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     flags = env.get("XLA_FLAGS", "").split()
     flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={per}"])
+    progress = [os.path.join(logs, f"progress_{i}") for i in range(args.nproc)]
+    for path in progress:  # a previous run's reports are not this run's progress
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    watch = LauncherWatch(progress, args.hang_timeout) if args.hang_timeout > 0 else None
     procs: list[subprocess.Popen[bytes]] = []
     files: list[Any] = []
     received: list[int] = []  # signals forwarded to the processes
@@ -168,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             if q.poll() is None:
                 _send(q, signum)
 
+    def say(text: str) -> None:
+        print(f"jaxdp.launch: {text}", file=sys.stderr, flush=True)
+
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
@@ -179,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--coordinator", f"127.0.0.1:{port}",
                 "--num-processes", str(args.nproc),
                 "--process-id", str(i),
+                "--hang-timeout", f"{args.hang_timeout:g}",
             ]  # fmt: skip
             out: Any = None
             if i > 0:
@@ -187,43 +220,49 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(
                 subprocess.Popen(
                     cmd,
-                    env=env,
+                    env={**env, ENV_FILE: progress[i]},
                     stdout=out,
                     stderr=None if out is None else subprocess.STDOUT,
                     preexec_fn=_child_setup(os.getpid()),
                 )
             )
-        pids = ", ".join(f"process {i} pid {q.pid}" for i, q in enumerate(procs))
-        print(f"jaxdp.launch: {pids} (logs in {logs})", file=sys.stderr, flush=True)
+        pids = [q.pid for q in procs]
+        started = ", ".join(f"process {i} pid {pid}" for i, pid in enumerate(pids))
+        say(f"{started} (logs in {logs})")
         failed: int | None = None
+        hung = False
         while any(q.poll() is None for q in procs):
             failed = next((i for i, q in enumerate(procs) if q.poll() not in (None, 0)), None)
             if failed is not None or time.monotonic() > stop_by[0]:
                 break
+            if watch is not None and not received:
+                alive = [q.poll() is None for q in procs]
+                if len(procs) == args.nproc and watch.poll(alive):
+                    hung = True
+                    say(watch.message(pids, alive))
+                    break
             time.sleep(0.1)
-        if failed is None:
-            failed = next((i for i, q in enumerate(procs) if q.poll() not in (None, 0)), None)
-        if failed is not None:
-            code = procs[failed].returncode
-            status = _status(code)
-            print(
-                f"jaxdp.launch: process {failed} (pid {procs[failed].pid}) {describe(code)}; "
-                "stopping the others",
-                file=sys.stderr,
-                flush=True,
-            )
-            grace = max(stop_by[0] - time.monotonic(), 0.0) if received else args.grace
-            killed = stop_processes(procs, grace)
+        if hung:
+            status = HANG_STATUS
+            dump_and_kill(procs, pids, say)
+            killed: list[int] = []
         else:
-            killed = stop_processes(procs, 0.0)  # after --grace: the ones still running
-            status = next((_status(q.returncode) for q in procs if q.returncode), 0)
+            if failed is None:
+                failed = next((i for i, q in enumerate(procs) if q.poll() not in (None, 0)), None)
+            if failed is not None:
+                code = procs[failed].returncode
+                status = _status(code)
+                say(f"process {failed} (pid {pids[failed]}) {describe(code)}; stopping the others")
+                grace = max(stop_by[0] - time.monotonic(), 0.0) if received else args.grace
+                killed = stop_processes(procs, grace)
+            else:
+                killed = stop_processes(procs, 0.0)  # after --grace: the ones still running
+                status = next((_status(q.returncode) for q in procs if q.returncode), 0)
         if killed:
             names = ", ".join(f"process {i} (pid {procs[i].pid})" for i in killed)
-            print(
-                f"jaxdp.launch: killed {names}: still running {args.grace:g} s after "
-                + ("the signal" if received else "the failure"),
-                file=sys.stderr,
-                flush=True,
+            say(
+                f"killed {names}: still running {args.grace:g} s after "
+                + ("the signal" if received else "the failure")
             )
             status = status or _status(procs[killed[0]].returncode)
     finally:
@@ -231,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, h)
         for q in procs:  # an exception above (e.g. a failed start): leave nothing behind
             if q.poll() is None:
-                _send(q, signal.SIGKILL)
+                signal_group(q, signal.SIGCONT)
+                signal_group(q, signal.SIGKILL)
                 q.wait()
         for f in files:
             if f is not None:
@@ -245,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, len(procs)):
             path = os.path.join(logs, f"process_{i}.log")
             with open(path, errors="replace") as f:
-                tail = f.read()[-2000:]
+                tail = f.read()[-(6000 if hung else 2000) :]
             print(f"--- process {i} ({path}), last lines:\n{tail}", file=sys.stderr)
     return status
 

@@ -7,8 +7,12 @@ import os
 import sys
 
 from ..launch._args import StrictParser
+from ..launch._cluster import Cluster
+from ..launch._launcher import DEFAULT_HANG_TIMEOUT
+from ..launch._progress import ENV_FILE, Progress
+from ..launch._watchdog import InProcessWatchdog, register_stack_dump
 from ._options import ConfigError, RunConfig, apply_set, load_run_config, replace_train
-from ._processes import exit_multi_process, init_distributed, process_spec
+from ._processes import arm_nccl_timeout, exit_multi_process, init_distributed, process_spec
 from ._rundir import UsageError, check_out_dir
 from ._stop import StopRequested, StopSignals, signal_name
 
@@ -73,7 +77,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after SIGTERM/SIGINT, exit without a checkpoint if the processes have not "
         "agreed on a step to stop at within this time (default 120)",
     )
+    g.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT,
+        metavar="SECONDS",
+        help="when this process has made no progress (started or finished a step) for this "
+        "long, print where every process is, dump its Python stacks and exit 124; also XLA's "
+        "NCCL termination timeout on GPUs. Under python -m jaxdp.launch the launcher watches "
+        f"instead (default {DEFAULT_HANG_TIMEOUT:g}; 0: off)",
+    )
     args = p.parse_args(argv)
+    if args.hang_timeout < 0:
+        p.error(f"--hang-timeout {args.hang_timeout:g}: expected seconds >= 0 (0: off)")
     for name in ("init_timeout", "heartbeat_timeout", "stop_timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected seconds > 0")
@@ -133,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
     0: trained to the last step, stopped by SIGTERM / SIGINT with a checkpoint of the step
     every process stopped at, or ``--resume`` of a run already at ``--steps``; 1: the processes
-    could not connect; 2: bad input; 128 + signal: a signal before the first step (nothing
-    saved).
+    could not connect, or an error in one of several processes; 2: bad input; 124: no progress
+    for ``--hang-timeout`` seconds; 128 + signal: a signal before the first step (nothing
+    saved). After a failure in a multi-process run the process exits at once, without waiting
+    for the others in ``jax.distributed.shutdown()``.
     """
     args = parse_args(argv)
     try:
@@ -143,7 +161,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdp-train: error: {e}", file=sys.stderr)
         return 2
     _set_simulated_devices(args, multi=spec is not None)
-    from .._src.engine.checkpoint import CheckpointMismatchError
+    arm_nccl_timeout(args.hang_timeout)
+    # Under jaxdp.launch the launcher watches every process's progress file; otherwise a
+    # thread in each process watches its own progress (launch/_watchdog.py).
+    progress = Progress(os.environ.get(ENV_FILE))
+    watched = args.hang_timeout > 0 and not os.environ.get(ENV_FILE)
+    watchdog = InProcessWatchdog(progress, args.hang_timeout) if watched else None
+    restore_dump = register_stack_dump()
+    try:
+        if watchdog is not None:
+            with watchdog:
+                status = _run(args, spec, progress)
+        else:
+            status = _run(args, spec, progress)
+    finally:
+        restore_dump()
+        progress.close()
+    import jax
+
+    if jax.distributed.is_initialized():
+        if status == 0:
+            jax.distributed.shutdown()  # a clean end: leave together
+        else:  # a failure: waiting for the others at the shutdown barrier would only delay
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    return status
+
+
+def _run(args: argparse.Namespace, spec: Cluster | None, progress: Progress) -> int:
+    from .. import CheckpointMismatchError
     from ._data import CorpusError
 
     setup_errors: tuple[type[BaseException], ...] = (
@@ -170,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 init_distributed(args, spec)
                 from ._loop import Trainer
 
-                trainer = Trainer(cfg, args, signals)
+                trainer = Trainer(cfg, args, signals, progress=progress)
             except setup_errors as e:
                 print(f"jaxdp-train: error: {e}", file=sys.stderr)
                 return 2

@@ -17,10 +17,8 @@ from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .._src.core.batching import microbatches
-from .._src.engine.checkpoint import CheckpointManager
-from .._src.engine.engine import DataParallel
-from .._src.topology.mesh import make_mesh
+from .. import CheckpointManager, DataParallel, make_mesh, microbatches
+from ..launch._progress import Progress as StepReports
 from ..models.gpt import GPT, generate, next_byte_loss
 from ._data import batch_rows, load_corpus
 from ._mfu import mfu, train_flops_per_token
@@ -48,9 +46,15 @@ class Trainer:
     changes); :meth:`run` trains."""
 
     def __init__(
-        self, cfg: RunConfig, args: argparse.Namespace, signals: StopSignals | None = None
+        self,
+        cfg: RunConfig,
+        args: argparse.Namespace,
+        signals: StopSignals | None = None,
+        progress: StepReports | None = None,
     ):
         self.cfg, self.args = cfg, args
+        # where the loop is, for the hang watchdogs (jaxdp.launch's or the in-process one)
+        self.progress = progress if progress is not None else StepReports()
         self.signals = signals if signals is not None else StopSignals()
         self.lead = jax.process_index() == 0
         self.console = Console(quiet=not self.lead)
@@ -209,6 +213,7 @@ class Trainer:
         with progress:
             task = progress.add_task("compiling", total=t.steps, completed=start)
             for step in range(start + 1, t.steps + 1):
+                self.progress.report(step, "step")
                 t0 = time.perf_counter()
                 batch = self.batch(self.corpus.train, t.seed, step)
                 self.state, metrics = eng.step(self.state, batch)
@@ -242,6 +247,7 @@ class Trainer:
                         rec["mfu"] = util
                     losses.append(loss)
                     if do_eval:
+                        self.progress.report(step, "eval")
                         val = self.val_loss(eval_fn)
                         rec["val_loss"] = val
                     if log is not None:
@@ -254,9 +260,11 @@ class Trainer:
                     )
                     last_log_t, last_log_step = time.perf_counter(), step
                 elif do_eval:
+                    self.progress.report(step, "eval")
                     val = self.val_loss(eval_fn)
                     last_log_t = time.perf_counter()
                 if step % t.checkpoint_every == 0 or step == t.steps:
+                    self.progress.report(step, "checkpoint")
                     self.ckpt.save(step, self.state)
                     saved = step
                     last_log_t = time.perf_counter()
@@ -264,9 +272,12 @@ class Trainer:
                 if stop_signal and step < t.steps:
                     self.signals.settled()
                     if saved != step:
+                        self.progress.report(step, "checkpoint")
                         self.ckpt.save(step, self.state)
                     stopped_at = step
                     break
+                self.progress.report(step, "finished")
+        self.progress.report(stopped_at or t.steps, "end")
         self.signals.settled()
         self.ckpt.wait_until_finished()
         self.ckpt.close()

@@ -1,6 +1,6 @@
 """jaxdp-train's processes: which job this process belongs to (flags or the environment),
-``jax.distributed.initialize`` with bounded waits, and the exit of one process of several after
-an error."""
+``jax.distributed.initialize`` with bounded waits, XLA's NCCL termination timeout, and the exit
+of one process of several after an error."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 from ..launch._cluster import Cluster, ClusterError, detect_cluster
 from ._rundir import UsageError
 
-__all__ = ["exit_multi_process", "init_distributed", "process_spec"]
+__all__ = ["arm_nccl_timeout", "exit_multi_process", "init_distributed", "process_spec"]
 
 
 def process_spec(args: argparse.Namespace) -> Cluster | None:
@@ -40,6 +40,21 @@ def process_spec(args: argparse.Namespace) -> Cluster | None:
         return detect_cluster()
     except ClusterError as e:
         raise UsageError(str(e)) from None
+
+
+def arm_nccl_timeout(seconds: float) -> None:
+    """``--xla_gpu_nccl_termination_timeout_seconds``: a collective stuck that long fails with
+    an error instead of waiting forever (XLA's default: -1, off). Added to ``XLA_FLAGS``
+    before the backend starts, where a GPU may be used, the installed jaxlib has the flag
+    (jaxdp's flag table) and ``XLA_FLAGS`` does not set it already."""
+    from .._xla_flag_table import flag_available
+
+    name = "xla_gpu_nccl_termination_timeout_seconds"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if seconds <= 0 or name in flags or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        return
+    if flag_available(name):
+        os.environ["XLA_FLAGS"] = f"{flags} --{name}={max(int(seconds), 1)}".strip()
 
 
 def init_distributed(args: argparse.Namespace, spec: Cluster | None) -> None:

@@ -112,6 +112,14 @@ FLAG_TABLE: Final[tuple[FlagSpec, ...]] = (
         note="heuristic thresholds that would override the ones jaxdp sets",
     ),
     FlagSpec("xla_gpu_collective_combine_threshold_count", (0, 10, 0), kind="int", example="2048"),
+    FlagSpec(
+        "xla_gpu_nccl_termination_timeout_seconds",
+        _V,
+        kind="int",
+        example="600",
+        note="a collective stuck this long fails instead of waiting forever (-1: off); "
+        "jaxdp-train sets it to --hang-timeout",
+    ),
     FlagSpec("xla_gpu_experimental_collective_start_as_early_as_possible", (0, 10, 2)),
     # Removed: async collectives became unconditional.
     FlagSpec("xla_gpu_enable_async_collectives", (0, 4, 18), removed=(0, 4, 27)),
