@@ -83,16 +83,21 @@ def test_equally_far_processes_are_all_named(tmp_path):
     assert "process 0" in msg and "process 1" in msg and "Every process got equally far" in msg
 
 
-def test_in_process_watchdog_fires_once_progress_stops():
+def test_in_process_watchdog_fires_once_progress_stops(tmp_path):
     exits = []
     p = Progress()
     p.report(3, "step")
-    with InProcessWatchdog(p, timeout=0.5, exit=exits.append) as dog:
+    err = open(tmp_path / "stderr", "w")  # noqa: SIM115 - closed below
+    with InProcessWatchdog(p, timeout=0.5, exit=exits.append, stream=err) as dog:
         t0 = time.monotonic()
         while not exits and time.monotonic() - t0 < 10:
             time.sleep(0.05)
+    err.close()
     assert exits == [HANG_STATUS]
     assert 0.5 <= time.monotonic() - t0 < 0.5 + 3 * dog.poll_s + 1
+    text = (tmp_path / "stderr").read_text()
+    assert "process 0 of 1 made no progress since step 3 for" in text and "in step 3" in text
+    assert "most recent call first" in text and "in test_in_process_watchdog_fires" in text
 
 
 def test_in_process_watchdog_keeps_quiet_while_progress_is_made():

@@ -216,11 +216,13 @@ class InProcessWatchdog:
         progress: this process's :class:`~._progress.Progress`.
         timeout: seconds without a report.
         exit: called with the status instead of ``os._exit`` (tests).
+        stream: the file the message and the stacks go to (default: stderr).
     """
 
-    def __init__(self, progress: Any, timeout: float, *, exit: Any = None):
+    def __init__(self, progress: Any, timeout: float, *, exit: Any = None, stream: Any = None):
         self.progress, self.timeout = progress, timeout
         self._exit = exit or os._exit
+        self._stream = stream
         self._stop = threading.Event()
         self._published: Report | None = None
         self._pending = threading.Event()
@@ -332,7 +334,7 @@ class InProcessWatchdog:
             f"jaxdp-train: this process's Python stacks follow; exiting with status "
             f"{HANG_STATUS} without waiting for the others."
         )
-        err = sys.__stderr__
+        err = self._stream or sys.__stderr__
         with contextlib.suppress(Exception):
             if err is not None:
                 print("\n".join(lines), file=err, flush=True)
