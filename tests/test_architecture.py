@@ -57,7 +57,7 @@ TOOL_ENTRIES = {
     "aot": {"platform"},  # the XLA options the engine's step compiles with
     "nn": {"core"},  # the accumulation-fusion context the kernels open
     "testing": {"core"},  # the loss contract the reference step follows
-    "train": set(),
+    "train": {"platform"},  # which XLA flags the installed jaxlib has (the NCCL timeout)
     "models": set(),
     "launch": set(),
 }

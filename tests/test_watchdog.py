@@ -162,7 +162,7 @@ def test_stop_processes_continues_stopped_ones_and_ends_their_groups():
 
 
 def test_nccl_termination_timeout_is_armed_where_a_gpu_may_be_used(monkeypatch):
-    from jaxdp._xla_flag_table import flag_available
+    from jaxdp._src.platform.xla_flag_table import flag_available
     from jaxdp.train._processes import arm_nccl_timeout
 
     name = "xla_gpu_nccl_termination_timeout_seconds"

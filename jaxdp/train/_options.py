@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .._src.config.config import DDPConfig
+from .. import DDPConfig
 from ..models.gpt import GPTConfig
 
 __all__ = ["ConfigError", "RunConfig", "TrainOptions", "apply_set", "load_run_config"]

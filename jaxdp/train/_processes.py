@@ -47,7 +47,7 @@ def arm_nccl_timeout(seconds: float) -> None:
     an error instead of waiting forever (XLA's default: -1, off). Added to ``XLA_FLAGS``
     before the backend starts, where a GPU may be used, the installed jaxlib has the flag
     (jaxdp's flag table) and ``XLA_FLAGS`` does not set it already."""
-    from .._xla_flag_table import flag_available
+    from .._src.platform.xla_flag_table import flag_available
 
     name = "xla_gpu_nccl_termination_timeout_seconds"
     flags = os.environ.get("XLA_FLAGS", "")
