@@ -33,6 +33,7 @@ from .gather import gather_buckets, gather_full
 from .reduce import (
     UNPACKED_OVER,
     Unpacked,
+    deferred_divisor,
     divided,
     float_for_sum,
     metric_sum,
@@ -169,15 +170,13 @@ class PlainOps:
             for b in lay.buckets
         )
 
-    def _reduce(
-        self, flat: Sequence[Any], g: int, deferred: bool
-    ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
-        out, divs = [], []
+    def _reduce(self, flat: Sequence[Any], g: int, deferred: bool) -> tuple[jax.Array, ...]:
+        out = []
         for x, b, grp in zip(flat, self.reduce_buckets, self.reduce_groups, strict=True):
             if grp.prediv != 1 and not (self.wire.per_token or self.divided):
                 d = grp.prediv
                 x = then(x, lambda v, d=d: divided(v, d, float_for_sum(v.dtype)))
-            red, div = reduce_one(
+            red, _ = reduce_one(
                 x,
                 b,
                 self.layout,
@@ -189,19 +188,24 @@ class PlainOps:
                 prescaled=self.divided,
             )
             out.append(red)
-            divs.append(div)
-        return tuple(out), tuple(divs)
+        return tuple(out)
 
-    def reduce_microbatch(
-        self, flat: Sequence[jax.Array], g: int
-    ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
-        """One micro-batch's reduce-scatter for a sharded accumulator, and the divisors
-        :func:`jaxdp._src.comm.reduce.finish_deferred` applies at the end."""
+    def deferred_divisors(self, g: int) -> tuple[int, ...]:
+        """What each array :meth:`reduce_microbatch` returns is left to be divided by, once, at
+        the end (:func:`jaxdp._src.comm.reduce.finish_deferred`): static, one per array."""
+        return tuple(
+            deferred_divisor(b, self.layout, self.wire, g, dp=grp.size, prescaled=self.divided)
+            for b, grp in zip(self.reduce_buckets, self.reduce_groups, strict=True)
+        )
+
+    def reduce_microbatch(self, flat: Sequence[jax.Array], g: int) -> tuple[jax.Array, ...]:
+        """One micro-batch's reduce-scatter for a sharded accumulator, each array left to be
+        divided by its :meth:`deferred_divisors` entry."""
         return self._reduce(flat, g, True)
 
     def reduce(self, acc: Sequence[jax.Array], g: int) -> tuple[jax.Array, ...]:
         """The accumulated buckets' collectives (all-reduce or reduce-scatter)."""
-        return self._reduce(acc, g, False)[0]
+        return self._reduce(acc, g, False)
 
     def out_full(self, red: Sequence[jax.Array]) -> Any:
         """Full reduced buckets -> the params-shaped gradients."""
@@ -272,18 +276,13 @@ class NestedOps(PlainOps):
         )
         return tuple(f(grads))
 
-    def reduce_microbatch(
-        self, flat: Sequence[jax.Array], g: int
-    ) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
-        divisors: list[tuple[int, ...]] = []
-
-        def body(x: Any) -> Any:
-            out, d = PlainOps.reduce_microbatch(self, x, g)
-            divisors.append(d)  # static ints
-            return out
-
-        out = self._nest(body, (self.bucket_specs,), self.bucket_specs)(tuple(flat))
-        return tuple(out), divisors[-1]
+    def reduce_microbatch(self, flat: Sequence[jax.Array], g: int) -> tuple[jax.Array, ...]:
+        f = self._nest(
+            lambda x: PlainOps.reduce_microbatch(self, x, g),
+            (self.bucket_specs,),
+            self.bucket_specs,
+        )
+        return tuple(f(tuple(flat)))
 
     def reduce(self, acc: Sequence[jax.Array], g: int) -> tuple[jax.Array, ...]:
         f = self._nest(

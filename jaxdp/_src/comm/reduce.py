@@ -25,6 +25,7 @@ __all__ = [
     "Unpacked",
     "all_to_all_fp32_reduce_scatter",
     "check_count",
+    "deferred_divisor",
     "divided",
     "finish_deferred",
     "float_for_sum",
@@ -209,6 +210,43 @@ def then(x: Any, fn: Any) -> Any:
     return x.map(fn) if isinstance(x, Unpacked) else fn(x)
 
 
+def deferred_divisor(
+    b: Bucket,
+    layout: BucketLayout,
+    wire: Wire,
+    num_microbatches: int,
+    *,
+    dp: int | None = None,
+    prescaled: bool = False,
+) -> int:
+    """What :func:`reduce_one` with ``deferred=True`` leaves for the caller to divide by, once,
+    after the micro-batches' shards are summed (:func:`finish_deferred`): a static int, known
+    before anything is traced (the plan's kernels carry it; without ``deferred`` it is 1).
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np
+        >>> from jaxdp import BucketLayout
+        >>> from jaxdp._src.comm.wire import Wire
+        >>> from jaxdp._src.layout.layout import LayoutRules
+        >>> lay = BucketLayout.build({"w": jnp.zeros(8)}, LayoutRules("interleaved", None), 8)
+        >>> deferred_divisor(lay.buckets[0], lay, Wire(np.dtype("float32")), 4)  # G x dp
+        32
+    """
+    if layout.kind == "contiguous":  # an all-reduce: nothing is deferred
+        return 1
+    dp = layout.dp_size if dp is None else dp
+    per_token = wire.per_token or prescaled
+    g_div = 1 if per_token else num_microbatches
+    dp_div = 1 if per_token else dp
+    if wire.all_to_all or jnp.dtype(b.grad_dtype).itemsize >= 4:
+        return g_div * dp_div  # the fp32 sum, divided once at the end
+    # A low-precision wire: pre-scaled before the wire, except by a power of two that the
+    # caller's one division applies bit for bit (one micro-batch, no average in the collective).
+    avg = wire.average_in_collective and not per_token
+    pre = g_div if avg else g_div * dp_div
+    return pre if not avg and num_microbatches == 1 and pre & (pre - 1) == 0 else 1
+
+
 def reduce_one(
     x: Any,
     b: Bucket,
@@ -247,6 +285,7 @@ def reduce_one(
     per_token = wire.per_token or prescaled
     g_div = 1 if per_token else g
     dp_div = 1 if per_token else dp
+    left = deferred_divisor(b, layout, wire, g, dp=dp, prescaled=prescaled) if deferred else 1
 
     if wire.all_to_all:
         # all_to_all on the wire, then a local sum in fp32. The 1/G of micro-batch accumulation
@@ -261,7 +300,7 @@ def reduce_one(
             sent = jnp.pad(sent, (0, pad))
         total = ordered_reduce_scatter(sent, axis, dp, acc)
         if deferred and scatter:
-            return total, g_div * dp_div
+            return total, left
         out = divided(total, dp_div, acc)
         if scatter:
             return out.astype(wdt), 1
@@ -284,7 +323,7 @@ def reduce_one(
         x = _apply(x, lambda v: v)
         out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
         if deferred and scatter:
-            return out, div
+            return out, left
         return divided(out, div, wdt), 1
 
     # A low-precision wire without fp32 accumulation (NCCL's bf16 ring): pre-scale in fp32 and
@@ -299,7 +338,7 @@ def reduce_one(
         # with bench/bench_traffic.py). Not with micro-batches: there each one's shard is scaled
         # before it is accumulated, which kept the loop's buffers smaller (ZeRO-3, G = 4,
         # compiled for compile-only GPUs).
-        return _psum_scatter(_apply(x, lambda v: v.astype(wdt)), axis), pre
+        return _psum_scatter(_apply(x, lambda v: v.astype(wdt)), axis), left
     x = _apply(x, lambda v: divided(v, pre, acc).astype(wdt))
     out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
     if avg:

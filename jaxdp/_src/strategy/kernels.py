@@ -42,6 +42,7 @@ from ..comm.order import after
 from ..comm.reduce import finish_deferred
 from ..core.fusion import fused_function
 from ..layout.layout import BucketLayout
+from ..zero3.gather import zero3_divisors
 from .loss_divisor import value_and_divided_grad
 from .spec import StepSpec
 
@@ -146,20 +147,22 @@ class Kernel:
 class _Sharded(Kernel):
     """The reduced gradients are this rank's shard view (stages >= 1).
 
-    ``divisors`` collects, at trace time, each reduced array's deferred divisor (one tuple per
-    traced reduction, :func:`jaxdp._src.comm.reduce.finish_deferred`); the gradient norm is told the
-    last one (:meth:`jaxdp._src.comm.nested.PlainOps.square_norm`)."""
+    ``divisors``: what each reduced array is left to be divided by after its collective, once
+    (:func:`jaxdp._src.comm.reduce.finish_deferred`), static and known before anything is
+    traced; the gradient norm is told them (:meth:`jaxdp._src.comm.nested.PlainOps.square_norm`)."""
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
-        self.divisors: list[tuple[int, ...]] = []
+        self.divisors = self._divisors()
+
+    def _divisors(self) -> tuple[int, ...]:
+        return self.ops.deferred_divisors(self.g)
 
     def out(self, red: Any) -> Any:
         return self.ops.out_shards(red)
 
     def square_norm(self, red: Any) -> jax.Array:
-        divisors = self.divisors[-1] if self.divisors else None
-        return self.ops.group_sum(self.ops.square_norm(red, divisors))
+        return self.ops.group_sum(self.ops.square_norm(red, self.divisors))
 
     def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
         # Reduce-scattered as a micro-batch is, then divided once in main_grads_dtype: the
@@ -167,9 +170,8 @@ class _Sharded(Kernel):
         # 1/(G dp) is applied to this rank's shard, fused into the update, rather than to the
         # whole gradient before the wire in a pass of its own. (Where the loss carried it,
         # jaxdp._src.strategy.loss_divisor, every divisor is 1 and nothing is divided here.)
-        red, divisors = self.ops.reduce_microbatch(packed, self.g)
-        self.divisors.append(divisors)  # static ints, the same at every trace
-        return finish_deferred(tuple(r.astype(self.acc_dt) for r in red), divisors)
+        red = self.ops.reduce_microbatch(packed, self.g)
+        return finish_deferred(tuple(r.astype(self.acc_dt) for r in red), self.divisors)
 
 
 class ReduceAtEnd(Kernel):
@@ -293,13 +295,12 @@ class ReduceEachMicrobatch(ScatterAtEnd):
         return self.ops.zeros(self.ops.numels(sharded=True), self.acc_dt)
 
     def _add(self, acc: Any, grads: Any) -> Any:
-        red, divs = self.ops.reduce_microbatch(self.ops.pack(grads, self.acc_dt), self.g)
-        self.divisors.append(divs)  # static ints, the same at every trace
+        red = self.ops.reduce_microbatch(self.ops.pack(grads, self.acc_dt), self.g)
         return _plus(acc, red, self.acc_dt)
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
         # one correctly rounded division of the accumulated sums
-        return finish_deferred(acc, self.divisors[-1])
+        return finish_deferred(acc, self.divisors)
 
 
 class GatherInGrad(_Sharded, Kernel):
@@ -326,7 +327,7 @@ class GatherInGrad(_Sharded, Kernel):
     ):
         super().__init__(*args, **kw)
         layout, axis = self.layout, self.ops.axis
-        self.vg, self.z3_divisors, self.loss = value_and_grad(
+        self.vg, self.loss = value_and_grad(
             self.parts, layout, self.ops.wire, num_microbatches=self.g, place=self.ops.place
         )
         self.pre = pre
@@ -339,6 +340,10 @@ class GatherInGrad(_Sharded, Kernel):
         order = sorted(range(len(slot_ids)), key=lambda k: slot_ids[k])
         self.slot_pos = [slot_pos[k] for k in order]
 
+    def _divisors(self) -> tuple[int, ...]:
+        # one per accumulator: per bucket, or per parameter (PerParamOps)
+        return self.ops.per_array(zero3_divisors(self.layout, self.ops.wire, self.g))
+
     def prepare(self, params: Any, mb0: Any) -> Any:
         return self.pre(params)
 
@@ -350,8 +355,6 @@ class GatherInGrad(_Sharded, Kernel):
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
         out, (red, bad) = self.vg(self.accs0, self.flags0, ctx, mb)
-        per_bucket = self.z3_divisors[-len(self.layout.buckets) :]
-        self.divisors.append(self.ops.per_array(per_bucket))  # one per accumulator
         acc = _plus(acc, red, self.acc_dt)
         if self.check_nan:
             bad = self.ops.bucket_flags(bad)
@@ -359,4 +362,4 @@ class GatherInGrad(_Sharded, Kernel):
         return out, acc, ok
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        return finish_deferred(acc, self.divisors[-1])
+        return finish_deferred(acc, self.divisors)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..comm.reduce import reduce_one
+from ..comm.reduce import deferred_divisor, reduce_one
 from ..comm.wire import Wire
 from ..layout.layout import Bucket, BucketLayout
 from .remat import GATHERED
@@ -48,7 +48,9 @@ __all__ = [
     "gathers_per_parameter",
     "make_bucket_gather",
     "make_leaf_gather",
+    "reduces_leaf_by_leaf",
     "sharded_gather",
+    "zero3_divisors",
     "zero3_value_and_grad",
 ]
 
@@ -142,6 +144,25 @@ def sharded_gather(
     return gather
 
 
+def reduces_leaf_by_leaf(b: Bucket, wire: Wire) -> bool:
+    """Whether :func:`make_leaf_gather` reduce-scatters bucket ``b``'s gradients one leaf at a
+    time (a low-precision wire summed by ``psum_scatter``) rather than packed."""
+    return not (wire.all_to_all or jnp.dtype(b.grad_dtype).itemsize >= 4)
+
+
+def zero3_divisors(layout: BucketLayout, wire: Wire, num_microbatches: int) -> tuple[int, ...]:
+    """Per bucket, what stage 3's reduced shard is left to be divided by after the gathers'
+    transpose (:func:`jaxdp._src.comm.reduce.finish_deferred`): deferred with micro-batches,
+    and always where the leaves reduce one by one (a power-of-two scale left to the end)."""
+    per_leaf = gathers_per_parameter(layout)
+    return tuple(
+        deferred_divisor(b, layout, wire, num_microbatches)
+        if num_microbatches > 1 or (per_leaf and reduces_leaf_by_leaf(b, wire))
+        else 1
+        for b in layout.buckets
+    )
+
+
 def make_bucket_gather(
     b: Bucket,
     layout: BucketLayout,
@@ -150,14 +171,13 @@ def make_bucket_gather(
     axis: str,
     num_microbatches: int,
     deferred: bool,
-    divisors: list[int],
 ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """The ZeRO-3 gather of bucket ``b``: :func:`sharded_gather` with stage 2's reduction.
 
     Forward: ``all_gather(shard)`` (tiled, wire dtype = the working dtype). Backward: the local
     gradient of the full bucket is cast to ``wire.accumulate`` and reduce-scattered over ``axis`` as
-    stage 2 does (``deferred``: unscaled fp32 sums for a micro-batch accumulator, whose divisor
-    is appended to ``divisors`` at trace time; else the final mean). Cotangents: zero for
+    stage 2 does (``deferred``: unscaled fp32 sums for a micro-batch accumulator, to be divided
+    by :func:`zero3_divisors`' entry; else the final mean). Cotangents: zero for
     ``shard``, the reduced shard (``main_grads_dtype[b.shard_numel]``) for ``acc``, non-finite
     flags for ``flags`` (``float32[len(b.slots)]``).
     """
@@ -165,8 +185,7 @@ def make_bucket_gather(
 
     def reduce(ct: jax.Array) -> tuple[jax.Array, jax.Array]:
         ct = ct.astype(acc_dt)
-        red, div = reduce_one(ct, b, layout, wire, num_microbatches, deferred, axis=axis)
-        divisors.append(div)  # a static int, the same at every trace
+        red, _ = reduce_one(ct, b, layout, wire, num_microbatches, deferred, axis=axis)
         if wire.check_nan:
             bad = _nonfinite(ct, b, layout)
         else:
@@ -185,7 +204,6 @@ def make_leaf_gather(
     per_slot_acc: bool,
     num_microbatches: int,
     deferred: bool,
-    divisors: list[int],
 ) -> Callable[[tuple[jax.Array, ...], jax.Array, jax.Array], list[jax.Array]]:
     """The ZeRO-3 gather of an interleaved bucket ``b``, one ``all_gather`` per parameter.
 
@@ -225,7 +243,7 @@ def make_leaf_gather(
             "layout without stacks (use make_bucket_gather or jaxdp._src.zero3.scan)."
         )
     slots = list(b.slots)
-    reduce_per_leaf = not (wire.all_to_all or jnp.dtype(b.grad_dtype).itemsize >= 4)
+    reduce_per_leaf = reduces_leaf_by_leaf(b, wire)
 
     @jax.custom_vjp
     def gather(pieces: tuple[jax.Array, ...], acc: jax.Array, flags: jax.Array) -> list[jax.Array]:
@@ -241,12 +259,12 @@ def make_leaf_gather(
 
     def bwd(shapes: Any, cts: list[jax.Array]) -> tuple[Any, jax.Array, jax.Array]:
         if reduce_per_leaf:
-            parts, div = {}, 1
+            parts = {}
             for i, ct in zip(slots, cts, strict=True):
                 flat = layout.leaf_to_global(i, ct, acc_dt)
                 # deferred even with one micro-batch: a power-of-two scale is left to the
                 # final division (reduce_one), the same bits without a pass over the gradient
-                parts[i], div = reduce_one(flat, b, layout, wire, num_microbatches, True, axis=axis)
+                parts[i], _ = reduce_one(flat, b, layout, wire, num_microbatches, True, axis=axis)
             red = (
                 tuple(parts[i] for i in slots)
                 if per_slot_acc
@@ -257,8 +275,7 @@ def make_leaf_gather(
             for i, ct in zip(slots, cts, strict=True):
                 leaves[i] = ct
             flat = layout.pack_interleaved(b, leaves, acc_dt)
-            red, div = reduce_one(flat, b, layout, wire, num_microbatches, deferred, axis=axis)
-        divisors.append(div)  # a static int, the same at every trace
+            red, _ = reduce_one(flat, b, layout, wire, num_microbatches, deferred, axis=axis)
         if wire.check_nan:
             bad = _nonfinite_flags(cts)
         else:
@@ -286,14 +303,14 @@ def zero3_value_and_grad(
     per_slot: bool,
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
-) -> tuple[Callable[..., Any], list[int], Callable[..., Any]]:
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """Value-and-grad of ``parts(params, mb)`` for params held as local bucket shards.
 
     ``place(gather_all, view, accs, flags)`` runs the per-rank gather ``gather_all`` where the
     rank's blocks live (default: calls it; on a tensor-parallel mesh a ``shard_map`` nested
     over the model axes, :meth:`jaxdp._src.comm.nested.NestedOps.place`).
 
-    Returns ``(vg, divisors, loss)``: ``vg(accs, flags, view, mb) -> ((loss, aux), (d_accs,
+    Returns ``(vg, loss)``: ``vg(accs, flags, view, mb) -> ((loss, aux), (d_accs,
     d_flags))`` (``loss`` is the same function undifferentiated) where ``view`` is this rank's
     shard view of the working params (:meth:`BucketLayout.shard_view`, working dtype), ``accs``
     zeros per bucket (``main_grads_dtype[shard_numel]``; per parameter, this rank's piece,
@@ -301,12 +318,11 @@ def zero3_value_and_grad(
     (``float32[len(slots)]``);
     ``d_accs`` are the reduced gradient shards and ``d_flags`` the non-finite flags. With
     ``num_microbatches > 1`` the reductions are deferred (unscaled sums, as at stage 2):
-    :func:`jaxdp._src.comm.reduce.finish_deferred` with ``divisors[-len(layout.buckets):]`` ends
+    :func:`jaxdp._src.comm.reduce.finish_deferred` with :func:`zero3_divisors` ends
     them.
     Interleaved layouts use :func:`make_leaf_gather` (collectives per parameter, combined by
     XLA), megatron layouts :func:`make_bucket_gather` (one collective per bucket).
     """
-    divisors: list[int] = []
     # Interleaved layouts gather (and reduce-scatter) per parameter: see make_leaf_gather.
     per_leaf = gathers_per_parameter(layout)
     make = (
@@ -322,7 +338,6 @@ def zero3_value_and_grad(
             axis=axis,
             num_microbatches=num_microbatches,
             deferred=num_microbatches > 1,
-            divisors=divisors,
         )
         for b in layout.buckets
     ]
@@ -355,4 +370,4 @@ def zero3_value_and_grad(
         return parts(run(gather_all, view, accs, flags), mb)
 
     vg = jax.value_and_grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1), has_aux=True)
-    return vg, divisors, loss
+    return vg, loss

@@ -119,7 +119,7 @@ def zero3_scan_value_and_grad(
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
     per_slot: bool = False,
-) -> tuple[Callable[..., Any], list[int], Callable[..., Any]]:
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """:func:`jaxdp._src.zero3.gather.zero3_value_and_grad` for a layout with per-layer stacks.
 
     ``rules``: the layout's (:class:`jaxdp.BucketLayout` is built from them; each layer's
@@ -127,8 +127,9 @@ def zero3_scan_value_and_grad(
     one accumulator per bucket.
 
     Same protocol: ``vg(accs, flags, shards, mb) -> ((loss, aux), (d_accs, d_flags))`` with one
-    entry per bucket (``accs``/``flags`` of stack buckets are ignored), one divisor per bucket
-    appended to the returned list per call, and the undifferentiated loss (for shapes). Takes
+    entry per bucket (``accs``/``flags`` of stack buckets are ignored; each shard is left to be
+    divided by :func:`jaxdp._src.zero3.gather.zero3_divisors`), and the undifferentiated loss
+    (for shapes). Takes
     the bucket shards (:meth:`BucketLayout.shard_unview` of the view), not the view. Runs on
     whole params only (the plan gives it no ``place``: stacks are not detected on
     tensor-parallel meshes).
@@ -139,7 +140,6 @@ def zero3_scan_value_and_grad(
     stacked = dict(layout.stacked)
     stack_of = {layout.slots[i].bucket: i for i in stacked}
     plain = [b for b in layout.buckets if b.index not in stack_of]
-    divs: dict[Any, list[int]] = {b.index: [] for b in plain}
     gathers = {
         b.index: make_bucket_gather(
             b,
@@ -148,7 +148,6 @@ def zero3_scan_value_and_grad(
             axis=axis,
             num_microbatches=g,
             deferred=deferred,
-            divisors=divs[b.index],
         )
         for b in plain
     }
@@ -178,12 +177,7 @@ def zero3_scan_value_and_grad(
             shard[j], acc[j], flag[j] = rows[i][:p], rows[i][p : 2 * p], rows[i][2 * p]
         full = []
         for b in ll.buckets:
-            lst = divs.setdefault((keys, b.index), [])
-            for j in b.slots:
-                divs[("leaf", keys[j])] = lst
-            gb = make_bucket_gather(
-                b, ll, wire, axis=axis, num_microbatches=g, deferred=deferred, divisors=lst
-            )
+            gb = make_bucket_gather(b, ll, wire, axis=axis, num_microbatches=g, deferred=deferred)
             flags = jnp.stack([flag[j].astype(jnp.float32) for j in b.slots])
             full.append(gb(ll.fill(b, shard, b.dtype), ll.fill(b, acc, acc_dt), flags))
         leaves = jax.tree.leaves(ll.unpack(tuple(full)))
@@ -221,7 +215,6 @@ def zero3_scan_value_and_grad(
         return scanned(jax.tree_util.tree_unflatten(layout.treedef, leaves), mb)
 
     inner = jax.value_and_grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2), has_aux=True)
-    divisors: list[int] = []
 
     def vg(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:
         mixed = {}
@@ -250,10 +243,6 @@ def zero3_scan_value_and_grad(
             dm = d_mixed[i]
             red[b.index] = layout.fill(b, {i: dm[:, p : 2 * p].astype(acc_dt).reshape(-1)}, acc_dt)
             bad[b.index] = jnp.max(dm[:, 2 * p]).astype(jnp.float32)[None]
-        for b in layout.buckets:
-            leaf = stack_of.get(b.index)
-            lst = divs[b.index] if leaf is None else divs.get(("leaf", leaf), [1])
-            divisors.append(lst[-1] if lst else 1)
         return out, (tuple(red), tuple(bad))
 
     def forward(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:  # for shapes only
@@ -261,4 +250,4 @@ def zero3_scan_value_and_grad(
         full = tuple(jax.lax.all_gather(x, axis, tiled=True) for x in shards)
         return parts(layout.unpack(full), mb)
 
-    return vg, divisors, forward
+    return vg, forward
