@@ -47,11 +47,16 @@ def run_workers(argvs, timeout=240):
     return outs
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_two_processes_match_reference(tmp_path, stage):
+@pytest.mark.parametrize(
+    ("stage", "feed"), [(0, "jax"), (1, "jax"), (1, "numpy")], ids=["0", "1", "1-numpy-f64"]
+)
+def test_two_processes_match_reference(tmp_path, stage, feed):
+    """``numpy``: each process's slice is NumPy float64, which ``shard_batch`` places as the
+    float32 the step expects (its signature records the canonical dtype)."""
     port = free_port()
+    extra = ["numpy"] if feed == "numpy" else []
     outs = run_workers(
-        [[WORKER, str(i), "2", str(port), str(tmp_path), str(stage)] for i in (0, 1)]
+        [[WORKER, str(i), "2", str(port), str(tmp_path), str(stage), *extra] for i in (0, 1)]
     )
     for out in outs:
         assert "8 devices" in out, out[-3000:]

@@ -1,12 +1,15 @@
 """One process of a 2-process jaxdp run on localhost (gloo collectives on CPU).
 
-Usage: python worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR STAGE
+Usage: python worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR STAGE [numpy]
+
+With ``numpy`` each process feeds its slice as NumPy float64 arrays (NumPy's default dtype).
 """
 
 import os
 import sys
 
 pid, nproc, port, out, stage = sys.argv[1:6]
+as_numpy = sys.argv[6:] == ["numpy"]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -31,6 +34,8 @@ per_proc = 32 // int(nproc)
 for s in range(3):
     full = make_batch(32, seed=s)
     local = {k: v[int(pid) * per_proc : (int(pid) + 1) * per_proc] for k, v in full.items()}
+    if as_numpy:
+        local = {k: np.asarray(v, np.float64) for k, v in local.items()}
     state, metrics = engine.step(state, engine.shard_batch(local))
 params = engine.params(state)
 flat = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])

@@ -54,7 +54,10 @@ def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
         # Typed PRNG keys (jax.random.key) have a dtype numpy cannot interpret: key<fry>.
         dt = leaf.dtype
         key = not isinstance(dt, np.dtype) and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
-        dtype = str(dt) if key else np.dtype(dt).name
+        # The dtype the step will see: jax canonicalises NumPy's float64/int64 defaults to
+        # float32/int32 (without jax_enable_x64) when it places or traces the batch, so a NumPy
+        # batch given to shard_batch and the device batch it returns have one signature.
+        dtype = str(dt) if key else np.dtype(jax.dtypes.canonicalize_dtype(dt)).name
         out.append((jax.tree_util.keystr(kp) or "<batch>", shape, dtype))
     return out
 
