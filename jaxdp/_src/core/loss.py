@@ -18,6 +18,8 @@ that name the output, its shape and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,6 +34,9 @@ __all__ = [
     "check_init_inputs",
     "loss_parts",
     "plain_loss",
+    "unbound_axis",
+    "unbound_axis_error",
+    "unbound_axis_name",
     "warn_per_example_aux",
 ]
 
@@ -317,3 +322,76 @@ def plain_loss(
         return loss_fn(params, batch, **call.split(call.bind(batch, state, key))[1])
 
     return f
+
+
+# jax's NameError for a collective over an axis name nothing binds ("Found an unbound axis name:
+# batch. To fix this, ..." from psum and friends, "unbound axis name: batch" from all_gather).
+_UNBOUND = re.compile(r"unbound axis name: (\S+?)\.?(?:\s|$)")
+
+
+def unbound_axis(
+    loss_fn: Callable[..., Any],
+    call: LossCall,
+    params: Any,
+    batch: Any,
+    model_state: Any,
+    rng: Any,
+    axes: dict[str, int],
+    num_microbatches: int,
+) -> str | None:
+    """The axis name a collective in ``loss_fn`` uses that the step does not bind, or ``None``.
+
+    A shape-only trace of ``loss_fn`` on one micro-batch per rank under ``jax.vmap`` over
+    ``axes`` (``{name: size}``, the names the step's ``shard_map`` binds). Inside the step a
+    collective over another name (flax's ImageNet ResNet has ``nn.BatchNorm(axis_name="batch")``)
+    fails as a bare ``AssertionError`` from jax's varying-axes check, which names nothing; this
+    trace turns it into jax's ``NameError``, which names the axis. Any other failure of the
+    trace is not this one, and gives ``None`` (the step's own error is then the one to show).
+    ``params``, ``batch`` (global), ``model_state`` and ``rng`` may be ``ShapeDtypeStruct``.
+    """
+    sizes = tuple(axes.values())
+    per = math.prod(sizes) * num_microbatches
+
+    def abstract(x: Any) -> Any:
+        shape = tuple(jnp.shape(x))
+        dt = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+        if not jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+            dt = jax.dtypes.canonicalize_dtype(dt)
+        return jax.ShapeDtypeStruct((*sizes, shape[0] // per, *shape[1:]), dt)
+
+    def one(p: Any, mb: Any, ms: Any, key: Any) -> Any:
+        b, kw = call.split(call.bind(mb, ms, key))
+        return loss_fn(p, b, **kw)
+
+    def ranks(p: Any, b: Any, ms: Any, key: Any) -> Any:
+        f = lambda mb: one(p, mb, ms, key)  # noqa: E731
+        for name in reversed(tuple(axes)):
+            f = jax.vmap(f, axis_name=name)
+        return f(b)
+
+    try:
+        jax.eval_shape(ranks, params, jax.tree.map(abstract, batch), model_state, rng)
+    except NameError as e:
+        return unbound_axis_name(e)
+    except Exception:  # not an unbound axis: the step reports its own error
+        return None
+    return None
+
+
+def unbound_axis_name(err: BaseException) -> str | None:
+    """The axis name in jax's ``NameError`` for a collective over an unbound axis, or ``None``."""
+    m = _UNBOUND.search(str(err)) if isinstance(err, NameError) else None
+    return m.group(1) if m else None
+
+
+def unbound_axis_error(where: str, name: str, bound: tuple[str, ...], data_axis: str) -> ValueError:
+    """The error for a ``loss_fn`` collective over ``name`` where only ``bound`` are bound."""
+    names = " and ".join(repr(a) for a in bound)
+    return ValueError(
+        f"{where}: loss_fn runs a collective over the axis name {name!r} (e.g. "
+        f"nn.BatchNorm(axis_name={name!r}) or jax.lax.pmean(x, {name!r})), but the step binds "
+        f"only {names} (DDPConfig.data_axis={data_axis!r}), so jax cannot resolve it. "
+        f"Fix: DDPConfig(data_axis={name!r}) (the default mesh then names its axis {name!r}; "
+        f"a mesh you pass needs it too, e.g. jaxdp.make_mesh(axis={name!r})), or use "
+        f"axis_name={data_axis!r} in the model."
+    )

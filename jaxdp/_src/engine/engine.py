@@ -115,6 +115,7 @@ class DataParallel:
         self._call = LossCall()
         self.plain_loss: Callable[..., Any] = loss_fn
         self._abstract: TrainState | None = None
+        self._work_params: Any = None  # the params' shapes as loss_fn sees them (set by init)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -211,6 +212,7 @@ class DataParallel:
             previous=self._plan,
         )
         self._detected = example_batch is not None
+        self._work_params = _working_shapes(params, self.config.param_dtype)
         strategy = self._plan.strategy
 
         def full(p: Any, ms: Any, key: Any) -> TrainState:
@@ -377,3 +379,16 @@ def check_mesh(mesh: Any, data_axis: str, expert_axis: str | None) -> None:
             f"({data_axis!r}, 'model'))) or set DDPConfig(data_axis=<one of "
             f"{tuple(mesh.axis_names)}>)."
         )
+
+
+def _working_shapes(params: Any, param_dtype: str | None) -> Any:
+    """``ShapeDtypeStruct`` of each param as ``loss_fn`` gets it (floating leaves in
+    ``param_dtype``), for the shape-only trace that explains a failed first step."""
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        dt = jnp.result_type(x)
+        if param_dtype is not None and jnp.issubdtype(dt, jnp.floating):
+            dt = jnp.dtype(param_dtype)
+        return jax.ShapeDtypeStruct(jnp.shape(x), dt)
+
+    return jax.tree.map(one, params)

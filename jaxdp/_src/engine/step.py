@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..core.loss import unbound_axis, unbound_axis_error
 from ..core.state import TrainState
 from ..zero3.scan import find_stacks
 
@@ -29,6 +30,7 @@ def warn_if_undetected(engine: Any, batch: Any) -> None:
             1,
             num_microbatches=cfg.num_microbatches,
             param_dtype=cfg.param_dtype,
+            axes=(cfg.data_axis,) + ((cfg.expert_axis,) if cfg.expert_axis else ()),
         )
     except Exception:  # detection is advice only; the step reports real errors itself
         return
@@ -164,6 +166,28 @@ def _check_not_donated(state: Any) -> None:
         )
 
 
+def _explain_trace_error(eng: Any, batch: Any, err: Exception) -> None:
+    """Raise a ``ValueError`` naming the axis when the step's first trace failed because
+    ``loss_fn`` runs a collective over an axis name the step does not bind (return otherwise,
+    and the caller re-raises ``err``). Runs only after a failed trace: no cost per step."""
+    cfg = eng.config
+    axes = {a: int(eng.mesh.shape[a]) for a in eng.group.manual_axes}
+    abstract = eng._abstract
+    name = unbound_axis(
+        eng.loss_fn,
+        eng._call,
+        eng._work_params,
+        batch,
+        None if abstract is None else abstract.model_state,
+        None if abstract is None else abstract.rng,
+        axes,
+        cfg.num_microbatches,
+    )
+    if name is None or name in axes:
+        return
+    raise unbound_axis_error("DataParallel.step", name, tuple(axes), cfg.data_axis) from err
+
+
 class _Step:
     """The jitted step plus the host-side checks (batch validation, NaN report)."""
 
@@ -183,14 +207,22 @@ class _Step:
         state = jax.tree.map(_with_sharding, state, eng._shardings)
         batch_sharding = eng._sharding(eng.group.batch_spec())
         batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
-        return self._jitted.lower(state, batch)
+        try:
+            return self._jitted.lower(state, batch)
+        except (AssertionError, NameError) as e:
+            _explain_trace_error(eng, batch, e)
+            raise
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         eng = self._engine
         if eng.donate:
             _check_not_donated(state)
         check_batch(eng, batch)
-        new_state, metrics = self._jitted(state, batch)
+        try:
+            new_state, metrics = self._jitted(state, batch)
+        except (AssertionError, NameError) as e:  # raised by the trace, before compiling
+            _explain_trace_error(eng, batch, e)
+            raise
         if eng.config.check_for_nan_in_grad:
             bad = np.asarray(metrics.pop("nonfinite_ranks"))
             if bad.any():

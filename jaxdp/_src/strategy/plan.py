@@ -270,6 +270,7 @@ def _layout(
             num_microbatches=config.num_microbatches,
             param_dtype=config.param_dtype,
             patterns=config.scan_param_patterns,
+            axes=(config.data_axis,) + ((config.expert_axis,) if config.expert_axis else ()),
         )
     return BucketLayout.from_params(params, config, dp, stacked=stacks)
 

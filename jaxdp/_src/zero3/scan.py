@@ -29,8 +29,9 @@ the loss: every layer's full params alive at once. Instead:
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..comm.wire import Wire
+from ..core.loss import unbound_axis_error, unbound_axis_name
 from ..layout.layout import BucketLayout, LayoutRules, path_str
 from ..layout.stacked import layer_shape
 from .gather import make_bucket_gather
@@ -57,6 +59,22 @@ def _abstract_microbatch(batch: Any, num_microbatches: int, dp: int) -> Any:
     return jax.tree.map(one, batch)
 
 
+@contextlib.contextmanager
+def _bound(axes: tuple[str, ...], dp: int) -> Iterator[None]:
+    """Bind ``axes`` for a shape-only trace, as the step's ``shard_map`` binds them, so that a
+    model's own collectives over the data axis (``nn.BatchNorm(axis_name="data")``) trace.
+    The data axis gets ``dp`` (the expert axis, if any, 1: only shapes are traced). jax has no
+    public way to bind an axis name without mapping over it; without this internal one (a jax
+    that moved it) such a model fails detection as before, with jax's unbound-axis error."""
+    try:
+        from jax._src.core import extend_axis_env_nd
+    except ImportError:  # pragma: no cover - depends on the jax version
+        yield
+        return
+    with extend_axis_env_nd([(a, dp if i == 0 else 1) for i, a in enumerate(axes)]):
+        yield
+
+
 def find_stacks(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -67,6 +85,7 @@ def find_stacks(
     num_microbatches: int = 1,
     param_dtype: str | None = None,
     patterns: tuple[tuple[str, int], ...] = (),
+    axes: tuple[str, ...] = (),
 ) -> dict[int, int]:
     """``{leaf index: stacked axis}`` of the layer stacks to gather per layer (the plan calls
     it where stacks are gathered per layer: :func:`jaxdp._src.strategy.plan.finds_stacks`).
@@ -75,7 +94,8 @@ def find_stacks(
     ``ShapeDtypeStruct``, cut into ``num_microbatches`` per rank; params traced in
     ``param_dtype``); without one the stacks of ``previous`` (an earlier ``init``) are kept.
     ``patterns`` (``scan_param_patterns``) are applied last and win; one that matches no leaf
-    raises.
+    raises. ``axes``: the axes the step binds (the data axis first, then the expert axis), bound
+    while tracing so that a model's own collectives over them trace.
     """
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     found: dict[int, int] = dict(previous or {})
@@ -87,7 +107,15 @@ def find_stacks(
             params,
         )
         mb = _abstract_microbatch(example_batch, num_microbatches, dp)
-        found = {i: ax for i, (ax, _) in find_scanned_axes(loss_fn, work, mb).items()}
+        try:
+            with _bound(axes, dp):
+                scanned = find_scanned_axes(loss_fn, work, mb)
+        except NameError as e:  # a model collective over another axis (unbound_axis_error)
+            name = unbound_axis_name(e)
+            if not axes or name is None or name in axes:
+                raise
+            raise unbound_axis_error("DataParallel.init", name, axes, axes[0]) from e
+        found = {i: ax for i, (ax, _) in scanned.items()}
     paths = [path_str(kp) for kp, _ in flat]
     for pat, _ in patterns:
         if not any(re.search(pat, p) for p in paths):
