@@ -4,7 +4,10 @@
   optimizer, micro-batching, model state, PRNG keys and gradient averaging), for ``dp``
   simulated ranks;
 * :func:`assert_matches_reference`: an engine's params and model state match the reference's
-  to a tolerance derived from the dtype (:func:`tolerance`); :func:`assert_trees_close`;
+  to a tolerance derived from the dtype (:func:`tolerance`), or, with ``batch=``, the next
+  step's gradient matches the reference's at the engine's own params
+  (:meth:`Reference.restart`; for models with kinks over several steps);
+  :func:`assert_trees_close`;
 * :func:`reduced_gradient`: the reduced gradient of one engine step, at any ZeRO stage;
 * the bf16 ring simulator: :func:`bf16_ring_reduce_scatter`, :func:`round_to_bf16`,
   :func:`bf16_rounding_report`.

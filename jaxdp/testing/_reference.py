@@ -97,6 +97,40 @@ class Reference:
         dtypes = jax.tree.map(lambda x: jnp.result_type(x), params)
         return ReferenceState(0, master, self.optimizer.init(master), model_state, rng, dtypes)
 
+    def restart(self, state: ReferenceState, engine: Any, engine_state: Any) -> ReferenceState:
+        """``state`` continued from the engine's params, model state and step count (its own
+        optimizer state and key are kept): the next :meth:`step` computes the gradient at the
+        engine's own params, so each step's comparison measures that step's error alone.
+
+        Over several steps the two trajectories part by rounding, which is harmless for a
+        smooth model but not for one with kinks (ReLU, max-pooling, clipping): a
+        pre-activation within rounding of a kink lands on different sides, and the two
+        gradients differ by that example's whole contribution. Restarting before each step
+        keeps the comparison at one point (``assert_matches_reference(..., batch=batch)``
+        does this for the gradient).
+
+        Example:
+            >>> import jax.numpy as jnp, optax
+            >>> from jaxdp import DataParallel, DDPConfig
+            >>> from jaxdp.testing import Reference
+            >>> def loss_fn(p, b):
+            ...     return jnp.mean(jnp.maximum(b["x"] @ p["w"], 0.0))
+            >>> dp = DataParallel(loss_fn, optax.sgd(0.1), DDPConfig())
+            >>> ref = Reference(loss_fn, optax.sgd(0.1), DDPConfig(), dp=dp.dp)
+            >>> state = dp.init({"w": jnp.ones((2, 1))})
+            >>> ref_state = ref.restart(ref.init({"w": jnp.zeros((2, 1))}), dp, state)
+            >>> ref.params(ref_state)["w"].ravel().tolist(), ref_state.step
+            ([1.0, 1.0], 0)
+        """
+        step = int(jax.device_get(engine_state.step))
+        # copies on this host: the engine's arrays live on its mesh (and may be donated)
+        params = jax.device_get(engine.params(engine_state))
+        master = jax.tree.map(lambda p, m: jnp.asarray(p, m.dtype), params, state.master)
+        ms = engine.model_state(engine_state)
+        if ms is not None:
+            ms = jax.tree.map(jnp.asarray, jax.device_get(ms))
+        return state._replace(step=step, master=master, model_state=ms)
+
     def params(self, state: ReferenceState) -> Any:
         """The params in the dtypes ``init`` got (as ``DataParallel.params``)."""
         return jax.tree.map(lambda m, d: m.astype(d), state.master, state.dtypes)
