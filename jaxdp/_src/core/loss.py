@@ -35,7 +35,7 @@ __all__ = [
     "loss_parts",
     "plain_loss",
     "unbound_axis",
-    "unbound_axis_error",
+    "UnboundAxis",
     "unbound_axis_name",
     "warn_per_example_aux",
 ]
@@ -384,14 +384,10 @@ def unbound_axis_name(err: BaseException) -> str | None:
     return m.group(1) if m else None
 
 
-def unbound_axis_error(where: str, name: str, bound: tuple[str, ...], data_axis: str) -> ValueError:
-    """The error for a ``loss_fn`` collective over ``name`` where only ``bound`` are bound."""
-    names = " and ".join(repr(a) for a in bound)
-    return ValueError(
-        f"{where}: loss_fn runs a collective over the axis name {name!r} (e.g. "
-        f"nn.BatchNorm(axis_name={name!r}) or jax.lax.pmean(x, {name!r})), but the step binds "
-        f"only {names} (DDPConfig.data_axis={data_axis!r}), so jax cannot resolve it. "
-        f"Fix: DDPConfig(data_axis={name!r}) (the default mesh then names its axis {name!r}; "
-        f"a mesh you pass needs it too, e.g. jaxdp.make_mesh(axis={name!r})), or use "
-        f"axis_name={data_axis!r} in the model."
-    )
+class UnboundAxis(Exception):
+    """``loss_fn`` runs a collective over the axis ``name`` where the step binds only ``bound``
+    (raised below the plan; the plan and the engine turn it into the user's ``ValueError``)."""
+
+    def __init__(self, name: str, bound: tuple[str, ...]):
+        super().__init__(f"loss_fn uses the unbound axis {name!r}; bound: {bound}")
+        self.name, self.bound = name, bound

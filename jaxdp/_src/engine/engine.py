@@ -38,7 +38,7 @@ from ..strategy.update import optimizer_update
 from ..topology.group import ReductionGroup
 from ..topology.mesh import auto_mesh, make_mesh
 from .state_build import build_state, per_leaf_plan
-from .step import _Step, check_batch
+from .step import BatchGuard, Step, warn_if_undetected
 
 __all__ = ["DataParallel", "TrainState"]
 
@@ -108,14 +108,15 @@ class DataParallel:
             compiler_options, config, dp_size=self.dp, platform=self.group.platform, device=first
         )
         self._plan: Plan | None = None
-        self._batch_sig: Any = None
-        self._batch_ok: Any = None  # (local, treedef, leaf shapes/dtypes) of the last good batch
-        self._step: _Step | None = None
+        #: the host-side checks every batch passes before the step sees it
+        self.batch_guard = BatchGuard(config.num_microbatches, self.dp)
+        self._step: Step | None = None
         self._export: Any = None
         self._call = LossCall()
         self.plain_loss: Callable[..., Any] = loss_fn
         self._abstract: TrainState | None = None
-        self._work_params: Any = None  # the params' shapes as loss_fn sees them (set by init)
+        #: the params' shapes as loss_fn sees them (set by init; explains a failed first trace)
+        self.work_params: Any = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -158,6 +159,11 @@ class DataParallel:
         """The ``NamedSharding`` of every :class:`TrainState` leaf (available after ``init``)."""
         self.layout  # noqa: B018 - raises a clear error before init
         return self._shardings
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """How a global batch is placed: split along its leading axis over the group."""
+        return self._sharding(self.group.batch_spec())
 
     def _sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -211,8 +217,12 @@ class DataParallel:
             example_batch=example_batch,
             previous=self._plan,
         )
-        self._detected = example_batch is not None
-        self._work_params = _working_shapes(params, self.config.param_dtype)
+        # Without an example batch, stacks were not looked for: the first batch tells.
+        undetected = example_batch is None and self._plan.finds_stacks
+        self.batch_guard.first_batch = (
+            (lambda batch: warn_if_undetected(self, batch)) if undetected else None
+        )
+        self.work_params = _working_shapes(params, self.config.param_dtype)
         strategy = self._plan.strategy
 
         def full(p: Any, ms: Any, key: Any) -> TrainState:
@@ -227,9 +237,7 @@ class DataParallel:
         )
         self._abstract = abstract
         leaf_plan = per_leaf_plan(strategy, params, self._shardings)
-        if (
-            leaf_plan is not None
-        ):  # one small program per kind of leaf (jaxdp._src.engine.state_build)
+        if leaf_plan is not None:  # one small program per kind of leaf (engine.state_build)
             return build_state(strategy, leaf_plan, params, self._shardings, model_state, rng)
         return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
 
@@ -267,8 +275,8 @@ class DataParallel:
         On one process this is the global batch; with several processes each passes its own
         slice and the global batch is their concatenation in process order.
         """
-        check_batch(self, batch, local=True)
-        sharding = self._sharding(self.group.batch_spec())
+        self.batch_guard.check(batch, local=True)
+        sharding = self.batch_sharding
         if jax.process_count() == 1:
             return jax.device_put(batch, sharding)
 
@@ -288,7 +296,7 @@ class DataParallel:
         return with_passes_off(self.compiler_options, self.plan.passes_off)
 
     @property
-    def step(self) -> _Step:
+    def step(self) -> Step:
         """``step(state, batch) -> (state, metrics)``, jitted; has ``.lower(state, batch)``."""
         if self._step is None:
             self.layout  # noqa: B018 - raises a clear error before init
@@ -300,7 +308,7 @@ class DataParallel:
                 out_shardings=out,
                 compiler_options=self.step_compiler_options,
             )
-            self._step = _Step(self, jitted)
+            self._step = Step(self, jitted)
         return self._step
 
     def _step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:

@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.loss import unbound_axis, unbound_axis_error
+from ..core.loss import unbound_axis
 from ..core.state import TrainState
+from ..strategy.plan import unbound_axis_error
 from ..zero3.scan import find_stacks
 
 
@@ -41,7 +42,7 @@ def warn_if_undetected(engine: Any, batch: Any) -> None:
             "because init() got no example batch to detect them. Fix: "
             "dp.init(params, example_batch=batch) to gather them one layer per scan iteration "
             "(or mark them with scan_param_patterns in the config).",
-            stacklevel=3,
+            stacklevel=4,  # the caller of step / shard_batch
         )
 
 
@@ -64,77 +65,92 @@ def _batch_signature(batch: Any) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def check_batch(eng: Any, batch: Any, local: bool = False) -> None:
-    """Raise a clear error for a batch ``eng`` (a :class:`jaxdp.DataParallel`) cannot step on:
-    no array leaves, leaves without one shared leading axis, a leading axis that is not a
-    multiple of ``num_microbatches x dp`` (``local``: of this process's share), or a tree,
-    shape or dtype other than the first batch's. Remembers the first batch's signature and the
-    last good batch's shapes (a batch shaped like it passes at once)."""
-    if not getattr(eng, "_detected", True):  # once: init got no batch to find stacks
-        eng._detected = True
-        warn_if_undetected(eng, batch)
-    # Fast path (host time per step): a batch shaped like the last one that passed is valid.
-    leaves, treedef = jax.tree_util.tree_flatten(batch)
-    try:
-        seen = (local, treedef, tuple((x.shape, x.dtype) for x in leaves))
-    except AttributeError:  # a leaf that is not an array (a list, a scalar): the full check
-        seen = None
-    if seen is not None and seen == eng._batch_ok:
-        return
-    sig = _batch_signature(batch)
-    if not sig:
-        raise ValueError(
-            "DataParallel.step: the batch has no array leaves; expected a pytree of arrays "
-            "whose leading axis is the global batch."
-        )
-    g, dp = eng.config.num_microbatches, eng.dp
-    div = g * (dp // jax.process_count() if local else dp)
-    lead = {s[1][0] if s[1] else None for s in sig}
-    if None in lead or len(lead) != 1:
-        sized = lead - {None}
-        for p, sh, dt in sig:
-            if not sh and dt.startswith("key<"):  # _batch_signature's typed-key dtype names
-                size = sized.pop() if len(sized) == 1 else "global_batch"
-                raise ValueError(
-                    f"DataParallel.step: batch leaf {p} is a single PRNG key (shape (), "
-                    f"dtype {dt}); expected one key per example along the batch's leading "
-                    "axis (a scalar has no batch axis to split over the devices). Fix: "
-                    f"split it, e.g. jax.random.split(key, {size}), and jax.vmap over the keys "
-                    "in loss_fn. (For dropout, init(params, rng=key) hands loss_fn a fresh "
-                    "key every step instead: loss_fn(params, batch, *, rng).)"
-                )
-        raise ValueError(
-            "DataParallel.step: every batch leaf must share one leading (batch) axis; got "
-            f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."
-        )
-    n = lead.pop()
-    assert n is not None
-    if n % div or n == 0:
-        raise ValueError(
-            f"DataParallel.step: the batch's leading dimension is {n}; expected a positive "
-            f"multiple of num_microbatches x dp = {g} x "
-            f"{div // g} = {div}. Fix: use a global batch of "
-            f"{max(div, n // div * div)} (or {(n // div + 1) * div})."
-        )
-    rest = [(p, sh[1:], dt) for p, sh, dt in sig]
-    if eng._batch_sig is None:
-        eng._batch_sig = (treedef, rest)
-        eng._batch_ok = seen
-        return
-    want_def, want_rest = eng._batch_sig
-    if treedef != want_def:
-        raise ValueError(
-            f"DataParallel.step: the batch's tree structure {treedef} differs from the first "
-            f"batch's {want_def}. Fix: keep the same keys in every batch."
-        )
-    for (p, shape, dt), (_, wshape, wdt) in zip(rest, want_rest, strict=True):
-        if shape != wshape or dt != wdt:
+class BatchGuard:
+    """The engine's batch checks, run on the host before a batch reaches a compiled program.
+
+    Raises a clear error for a batch the engine cannot step on: no array leaves, leaves without
+    one shared leading axis, a leading axis that is not a multiple of ``num_microbatches x dp``
+    (``local``: of this process's share), or a tree, shape or dtype other than the first
+    batch's. Remembers the first batch's signature and the last good batch's shapes (a batch
+    shaped like it passes at once). ``first_batch``, when set, is called with the first batch
+    it sees (the engine warns there about layer stacks ``init`` could not look for).
+    """
+
+    def __init__(self, num_microbatches: int, dp: int):
+        self.num_microbatches, self.dp = num_microbatches, dp
+        self.first_batch: Any = None
+        self.signature: Any = None  # (treedef, per-example shapes and dtypes) of the first
+        self.last_good: Any = None  # (local, treedef, leaf shapes/dtypes) of the last good
+
+    def check(self, batch: Any, local: bool = False) -> None:
+        """Raise ``ValueError`` for a batch the engine cannot step on (class docstring)."""
+        if self.first_batch is not None:
+            hook, self.first_batch = self.first_batch, None
+            hook(batch)
+        # Fast path (host time per step): a batch shaped like the last one that passed is valid.
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        try:
+            seen = (local, treedef, tuple((x.shape, x.dtype) for x in leaves))
+        except AttributeError:  # a leaf that is not an array (a list, a scalar): the full check
+            seen = None
+        if seen is not None and seen == self.last_good:
+            return
+        self._check_signature(batch, treedef, local)
+        self.last_good = seen
+
+    def _check_signature(self, batch: Any, treedef: Any, local: bool) -> None:
+        sig = _batch_signature(batch)
+        if not sig:
             raise ValueError(
-                f"DataParallel.step: batch leaf {p} has per-example shape {shape} and dtype "
-                f"{dt}; expected {wshape} and {wdt} as in the first batch. Fix: pad or cast "
-                "the batch (a new shape would also force a recompilation)."
+                "DataParallel.step: the batch has no array leaves; expected a pytree of arrays "
+                "whose leading axis is the global batch."
             )
-    eng._batch_ok = seen
+        g, dp = self.num_microbatches, self.dp
+        div = g * (dp // jax.process_count() if local else dp)
+        lead = {s[1][0] if s[1] else None for s in sig}
+        if None in lead or len(lead) != 1:
+            sized = lead - {None}
+            for p, sh, dt in sig:
+                if not sh and dt.startswith("key<"):  # _batch_signature's typed-key dtype names
+                    size = sized.pop() if len(sized) == 1 else "global_batch"
+                    raise ValueError(
+                        f"DataParallel.step: batch leaf {p} is a single PRNG key (shape (), "
+                        f"dtype {dt}); expected one key per example along the batch's leading "
+                        "axis (a scalar has no batch axis to split over the devices). Fix: "
+                        f"split it, e.g. jax.random.split(key, {size}), and jax.vmap over the keys "
+                        "in loss_fn. (For dropout, init(params, rng=key) hands loss_fn a fresh "
+                        "key every step instead: loss_fn(params, batch, *, rng).)"
+                    )
+            raise ValueError(
+                "DataParallel.step: every batch leaf must share one leading (batch) axis; got "
+                f"shapes {[(p, sh) for p, sh, _ in sig]}. Fix: stack examples along axis 0."
+            )
+        n = lead.pop()
+        assert n is not None
+        if n % div or n == 0:
+            raise ValueError(
+                f"DataParallel.step: the batch's leading dimension is {n}; expected a positive "
+                f"multiple of num_microbatches x dp = {g} x "
+                f"{div // g} = {div}. Fix: use a global batch of "
+                f"{max(div, n // div * div)} (or {(n // div + 1) * div})."
+            )
+        rest = [(p, sh[1:], dt) for p, sh, dt in sig]
+        if self.signature is None:
+            self.signature = (treedef, rest)
+            return
+        want_def, want_rest = self.signature
+        if treedef != want_def:
+            raise ValueError(
+                f"DataParallel.step: the batch's tree structure {treedef} differs from the first "
+                f"batch's {want_def}. Fix: keep the same keys in every batch."
+            )
+        for (p, shape, dt), (_, wshape, wdt) in zip(rest, want_rest, strict=True):
+            if shape != wshape or dt != wdt:
+                raise ValueError(
+                    f"DataParallel.step: batch leaf {p} has per-example shape {shape} and dtype "
+                    f"{dt}; expected {wshape} and {wdt} as in the first batch. Fix: pad or cast "
+                    "the batch (a new shape would also force a recompilation)."
+                )
 
 
 def _with_sharding(x: Any, sharding: Any) -> Any:
@@ -172,11 +188,11 @@ def _explain_trace_error(eng: Any, batch: Any, err: Exception) -> None:
     and the caller re-raises ``err``). Runs only after a failed trace: no cost per step."""
     cfg = eng.config
     axes = {a: int(eng.mesh.shape[a]) for a in eng.group.manual_axes}
-    abstract = eng._abstract
+    abstract = eng.abstract_state
     name = unbound_axis(
         eng.loss_fn,
-        eng._call,
-        eng._work_params,
+        eng.loss_call,
+        eng.work_params,
         batch,
         None if abstract is None else abstract.model_state,
         None if abstract is None else abstract.rng,
@@ -188,7 +204,7 @@ def _explain_trace_error(eng: Any, batch: Any, err: Exception) -> None:
     raise unbound_axis_error("DataParallel.step", name, tuple(axes), cfg.data_axis) from err
 
 
-class _Step:
+class Step:
     """The jitted step plus the host-side checks (batch validation, NaN report)."""
 
     def __init__(self, engine: Any, jitted: Any):
@@ -203,9 +219,9 @@ class _Step:
         the program (donation, memory analysis) is the one ``step`` runs.
         """
         eng = self._engine
-        check_batch(eng, batch)
-        state = jax.tree.map(_with_sharding, state, eng._shardings)
-        batch_sharding = eng._sharding(eng.group.batch_spec())
+        eng.batch_guard.check(batch)
+        state = jax.tree.map(_with_sharding, state, eng.state_shardings)
+        batch_sharding = eng.batch_sharding
         batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
         try:
             return self._jitted.lower(state, batch)
@@ -217,7 +233,7 @@ class _Step:
         eng = self._engine
         if eng.donate:
             _check_not_donated(state)
-        check_batch(eng, batch)
+        eng.batch_guard.check(batch)
         try:
             new_state, metrics = self._jitted(state, batch)
         except (AssertionError, NameError) as e:  # raised by the trace, before compiling

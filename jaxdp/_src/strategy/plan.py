@@ -36,6 +36,7 @@ from ..comm.per_param import AllReduceOps, PerParamOps
 from ..comm.public import wire_of
 from ..comm.wire import Wire
 from ..config.config import DDPConfig
+from ..core.loss import UnboundAxis
 from ..forms.codec import BlockCodec, Codec, InterleavedCodec, MegatronCodec, ParamCodec
 from ..layout.layout import BucketLayout, rules_of
 from ..optim.check import check_optimizer
@@ -63,6 +64,7 @@ __all__ = [
     "build_plan",
     "check_engine_args",
     "check_supported",
+    "unbound_axis_error",
     "finds_stacks",
     "names_dot_operands",
     "per_parameter_all_reduce",
@@ -136,6 +138,19 @@ def names_dot_operands(config: DDPConfig) -> bool:
         (True, False)
     """
     return config.remat_policy in ("gemm", "dots")
+
+
+def unbound_axis_error(where: str, name: str, bound: tuple[str, ...], data_axis: str) -> ValueError:
+    """The error for a ``loss_fn`` collective over ``name`` where only ``bound`` are bound."""
+    names = " and ".join(repr(a) for a in bound)
+    return ValueError(
+        f"{where}: loss_fn runs a collective over the axis name {name!r} (e.g. "
+        f"nn.BatchNorm(axis_name={name!r}) or jax.lax.pmean(x, {name!r})), but the step binds "
+        f"only {names} (DDPConfig.data_axis={data_axis!r}), so jax cannot resolve it. "
+        f"Fix: DDPConfig(data_axis={name!r}) (the default mesh then names its axis {name!r}; "
+        f"a mesh you pass needs it too, e.g. jaxdp.make_mesh(axis={name!r})), or use "
+        f"axis_name={data_axis!r} in the model."
+    )
 
 
 def _expert_zero(config: DDPConfig, sharding: ShardingPlan | None) -> str | None:
@@ -261,17 +276,21 @@ def _layout(
     stacks: dict[int, int] = {}
     if finds_stacks(config):
         prev = dict(previous.layout.stacked) if previous is not None else None
-        stacks = find_stacks(
-            loss_fn,
-            params,
-            example_batch,
-            dp,
-            prev,
-            num_microbatches=config.num_microbatches,
-            param_dtype=config.param_dtype,
-            patterns=config.scan_param_patterns,
-            axes=(config.data_axis,) + ((config.expert_axis,) if config.expert_axis else ()),
-        )
+        try:
+            stacks = find_stacks(
+                loss_fn,
+                params,
+                example_batch,
+                dp,
+                prev,
+                num_microbatches=config.num_microbatches,
+                param_dtype=config.param_dtype,
+                patterns=config.scan_param_patterns,
+                axes=(config.data_axis,) + ((config.expert_axis,) if config.expert_axis else ()),
+            )
+        except UnboundAxis as e:  # a model collective over an axis the step does not bind
+            err = unbound_axis_error("DataParallel.init", e.name, e.bound, config.data_axis)
+            raise err from e.__cause__
     return BucketLayout.from_params(params, config, dp, stacked=stacks)
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..comm.wire import Wire
-from ..core.loss import unbound_axis_error, unbound_axis_name
+from ..core.loss import UnboundAxis, unbound_axis_name
 from ..layout.layout import BucketLayout, LayoutRules, path_str
 from ..layout.stacked import layer_shape
 from .gather import make_bucket_gather
@@ -110,11 +110,11 @@ def find_stacks(
         try:
             with _bound(axes, dp):
                 scanned = find_scanned_axes(loss_fn, work, mb)
-        except NameError as e:  # a model collective over another axis (unbound_axis_error)
+        except NameError as e:  # a model collective over another axis (UnboundAxis)
             name = unbound_axis_name(e)
             if not axes or name is None or name in axes:
                 raise
-            raise unbound_axis_error("DataParallel.init", name, axes, axes[0]) from e
+            raise UnboundAxis(name, axes) from e
         found = {i: ax for i, (ax, _) in scanned.items()}
     paths = [path_str(kp) for kp, _ in flat]
     for pat, _ in patterns:
