@@ -35,8 +35,8 @@ import bench_fusion
 import bench_gpu
 
 from jaxdp import DataParallel, DDPConfig
+from jaxdp._src.core import fusion as _fusion
 from jaxdp._src.strategy import kernels as _kernels
-from jaxdp.nn import _fusion
 
 G = 8
 OPTIONS: dict[str, Any] = {
@@ -44,19 +44,19 @@ OPTIONS: dict[str, Any] = {
     "before": None,
     "notriton": {"xla_gpu_enable_triton_gemm": False},
 }
-NEW_PREPARE = _kernels.ReduceAtEnd.prepare
+NEW_PREPARE = _kernels.Reduction.prepare
 
 
-def before_prepare(self: Any, params: Any, mb0: Any) -> Any:
+def before_prepare(self: Any, k: Any, params: Any, mb0: Any) -> Any:
     """The kernels lifted to fp32 once, ahead of the micro-batch loop (before ``3544347``)."""
-    wv = self.ops.varying(self.source(params))
-    lift, fused = _fusion.fused_function(self.parts, wv, mb0)
+    wv = k.ops.varying(k.source(params))
+    lift, fused = _fusion.fused_function(k.parts, wv, mb0)
     return lift(wv), jax.value_and_grad(fused, has_aux=True), fused
 
 
 def variant(width: int, depth: int, rows: int, options: str, fuse: bool) -> dict[str, Any]:
     loss_fn, params, data = bench_fusion._mlp_problem(width, depth, rows * G)
-    _kernels.ReduceAtEnd.prepare = before_prepare if options == "before" else NEW_PREPARE
+    _kernels.Reduction.prepare = before_prepare if options == "before" else NEW_PREPARE
     cfg = DDPConfig(
         zero_stage=0,
         num_microbatches=G,
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> list[dict[str, Any]]:
                 except Exception as e:  # one variant's failure must not cost the others
                     r = {"rows": rows, "options": options, "fused": fuse, "error": repr(e)[:300]}
                 finally:
-                    _kernels.ReduceAtEnd.prepare = NEW_PREPARE
+                    _kernels.Reduction.prepare = NEW_PREPARE
                 print(json.dumps(r), flush=True)
                 if os.environ.get("OUT"):
                     with open(os.path.join(os.environ["OUT"], "fusion_kernels.jsonl"), "a") as f:

@@ -400,7 +400,7 @@ def test_stage0_bucket_is_written_once(mesh, monkeypatch, extra, wire):
     * the 1/dp pre-scaling is done gradient by gradient before the pack
       (``jaxdp._src.comm.reduce.Unpacked``): XLA:GPU fuses nothing into a concatenation of that many
       operands, and scaled afterwards the bucket was read and written once more;
-    * the loss's ``psum`` waits for the bucket's all-reduce (``ReduceAtEnd.order_metrics``),
+    * the loss's ``psum`` waits for the bucket's all-reduce (``Kernel``'s ``order_metrics``),
       so XLA does not combine the two, which XLA:GPU does by copying both into one buffer and
       the sum back out (``bucket + 1`` elements on the wire)."""
     import jaxdp._src.strategy.plan as plan_module

@@ -157,7 +157,7 @@ def test_accumulator_dtype_survives_the_scan(dtype, short):
     carried = set(re.findall(r"tensor<([\dx]+)x(\w+)>", header))
     for leaf in jax.tree.leaves(mlp_params()):
         # One accumulator per parameter, of its shape, carried through the scan in
-        # main_grads_dtype (jaxdp._src.strategy.kernels.ReduceAtEndPerParam).
+        # main_grads_dtype (jaxdp._src.strategy.kernels.PerParameter).
         dims = "x".join(map(str, leaf.shape))
         assert (dims, short) in carried, (dims, carried)
 

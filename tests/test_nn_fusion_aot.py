@@ -111,8 +111,8 @@ def test_fused_wgrad_gemm_writes_f32_into_accumulator(mesh, stage):
     # two layers, in the scanned micro-batches and (stages 0-1, which reduce after the loop)
     # in the peeled last one
     assert len(gemms) == (4 if stage < 2 else 2), [g[3][:120] for g in gemms]
-    # Stages 0-1 accumulate per parameter (jaxdp._src.strategy.kernels.ReduceAtEndPerParam /
-    # ScatterAtEndPerParam): in the scanned micro-batches the accumulation is the GEMM
+    # Stages 0-1 accumulate per parameter (jaxdp._src.strategy.kernels.PerParameter):
+    # in the scanned micro-batches the accumulation is the GEMM
     # fusion's own epilogue (acc + dot, the f32 accumulator an input of the fusion); the last
     # micro-batch's add goes into the bucket pack, and stage 2 reduce-scatters every
     # micro-batch's gradient instead of accumulating it.

@@ -50,7 +50,7 @@ def test_parity_with_single_device(batches, stage, shape):
     ref, ref_norms = reference_train(tp_loss, opt, tp_params(), batches)
     state = dp.init(place(tp_params(), mesh))
     assert len(dp.layout.buckets) >= 3
-    if stage == 0:  # no metric waits on a bucket split over the model axis (ReduceAtEnd)
+    if stage == 0:  # no metric waits on a bucket split over the model axis (order_metrics)
         assert dp.plan.strategy.make_kernel.keywords["order_metrics"] is False
     state, norms = train_steps(dp, state, batches)
     # fp32 throughout: only summation orders differ (per-rank partial sums, the model's own

@@ -73,7 +73,7 @@ class PlainOps:
     #: Buckets of whole parameters are packed here, in the step's own region (not in nested
     #: tensor-parallel regions, not one array per parameter): what :meth:`pack_later` may
     #: leave unpacked, and what stage 0's metric ordering waits for
-    #: (``jaxdp._src.strategy.kernels.ReduceAtEnd``, ``order_metrics``).
+    #: (``jaxdp._src.strategy.kernels.Kernel``, ``order_metrics``).
     packs_whole_buckets = True
 
     def __init__(

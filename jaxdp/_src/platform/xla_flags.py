@@ -172,7 +172,7 @@ def xla_compiler_options(
         opts["xla_gpu_enable_pipelined_all_gather"] = True
     elif config.zero_stage == 3 and version < ANALYTICAL_ESTIMATOR_BROKEN:
         # With micro-batches ZeRO-3 runs every one of them in one loop body
-        # (jaxdp._src.strategy.kernels.GatherInGrad), whose backward both re-gathers params and
+        # (jaxdp._src.strategy.kernels.InGrad), whose backward both re-gathers params and
         # reduce-scatters gradients. With XLA's default cost model the scheduler finished the
         # body's backward gathers back to back, first thing; with the analytical one it
         # interleaves them with the backward's GEMMs, which shrinks the temporaries of

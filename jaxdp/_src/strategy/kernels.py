@@ -1,33 +1,36 @@
-"""Gradient kernels: how one rank turns a micro-batch into (reduced) gradients.
+"""Gradient kernels: how one rank turns micro-batches into (reduced) gradients.
 
-A kernel is the per-device part of a ZeRO strategy (:mod:`jaxdp._src.strategy.strategy`), run by the
-straight-line body :func:`jaxdp._src.strategy.local.local_gradients` inside the step's
-``shard_map``. The
-plan picks one per engine; none branches on the stage again:
+A kernel is the per-device part of a ZeRO strategy (:mod:`jaxdp._src.strategy.strategy`), run by
+the straight-line body :func:`jaxdp._src.strategy.local.local_gradients` inside the step's
+``shard_map``. It is composed of two parts the plan picks, and none branches on the stage again:
 
-* :class:`ReduceAtEnd` (stage 0) / :class:`ScatterAtEnd` (stage 1, stage 2 with one
-  micro-batch): micro-batches accumulate into flat buckets of ``main_grads_dtype`` with no
-  communication, then one collective per bucket (all-reduce for a contiguous layout,
-  reduce-scatter otherwise; :mod:`jaxdp._src.comm.reduce`). With one micro-batch the gradients are
-  packed right before their collective (``ops.pack_later``: a large contiguous bucket takes
-  the collective's casts and scaling gradient by gradient,
-  :class:`jaxdp._src.comm.reduce.Unpacked`).
-* :class:`ReduceAtEndPerParam` / :class:`ScatterAtEndPerParam`: the same with one fp32
-  accumulator per parameter, of the parameter's own shape, packed into buckets once, after the
-  last micro-batch (fused with its add). ``acc + dot`` then has the weight gradient's shape, so
-  XLA can make the accumulation the weight-gradient GEMM fusion's epilogue instead of a
-  separate pass over a packed bucket (compiled for GPUs: the fusion's root is ``acc + dot``);
-  elementwise the sums are the same. The plan uses these with micro-batches wherever the
-  params are whole on each device.
-* :class:`ReduceEachMicrobatch` (stage 2): every micro-batch's buckets are reduce-scattered
-  into a sharded accumulator (``G`` times the communication, ``1/dp`` of the accumulator
-  memory), divided once at the end.
-* :class:`GatherInGrad` (stage 3): the params arrive as shards and are gathered inside the
-  differentiated function (:mod:`jaxdp._src.zero3.gather`; per layer for scanned stacks,
-  :mod:`jaxdp._src.zero3.scan`); the gather's transpose is stage 2's reduce-scatter.
+* an :class:`Accumulator`, how micro-batch gradients add up on one rank:
 
-With ``overlap_param_gather`` (stages 1-2) the params arrive as shards too and
-:class:`ScatterAtEnd` / :class:`ReduceEachMicrobatch` gather them once, up front.
+  - :class:`Buckets`: flat buckets of ``main_grads_dtype``. With one micro-batch the gradients
+    are packed right before their collective (``ops.pack_later``: a large contiguous bucket
+    takes the collective's casts and scaling gradient by gradient,
+    :class:`jaxdp._src.comm.reduce.Unpacked`).
+  - :class:`PerParameter`: one accumulator per parameter, of its own shape, packed into
+    buckets once after the last micro-batch. ``acc + dot`` then has the weight gradient's
+    shape, so XLA can make the accumulation the weight-gradient GEMM fusion's epilogue instead
+    of a separate pass over a packed bucket; elementwise the sums are the same. The plan uses
+    it with micro-batches wherever the params are whole on each device.
+  - :class:`Sharded`: this rank's shards, summing reduced gradients.
+
+* a :class:`Reduction`, when and how they are reduced:
+
+  - :class:`AtEnd`: one collective per bucket after the loop (all-reduce at stage 0;
+    reduce-scatter at stage 1 and stage 2 with one micro-batch; :mod:`jaxdp._src.comm.reduce`).
+  - :class:`EachMicrobatch` (stage 2): every micro-batch's buckets are reduce-scattered into
+    the sharded accumulator (``G`` times the communication, ``1/dp`` of the accumulator
+    memory), divided once at the end.
+  - :class:`InGrad` (stage 3): the params arrive as shards and are gathered inside the
+    differentiated function (:mod:`jaxdp._src.zero3.gather`; per layer for scanned stacks,
+    :mod:`jaxdp._src.zero3.scan`); the gather's transpose is stage 2's reduce-scatter.
+
+With ``overlap_param_gather`` (stages 1-2) the params arrive as shards and the kernel gathers
+them once, up front (``gather_first``). Each sharded reduction's divisors are static values
+(:func:`jaxdp._src.comm.reduce.deferred_divisor`), computed when the kernel is built.
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ from .loss_divisor import value_and_divided_grad
 from .spec import StepSpec
 
 __all__ = [
-    "GatherInGrad",
+    "Accumulator",
+    "AtEnd",
+    "Buckets",
+    "EachMicrobatch",
+    "InGrad",
     "Kernel",
-    "ReduceAtEnd",
-    "ReduceAtEndPerParam",
-    "ReduceEachMicrobatch",
-    "ScatterAtEnd",
-    "ScatterAtEndPerParam",
+    "PerParameter",
+    "Reduction",
+    "Sharded",
 ]
 
 
@@ -69,241 +74,164 @@ def _finite_flags(grads: Any) -> jax.Array:
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])
 
 
-class Kernel:
-    """The interface :func:`jaxdp._src.strategy.local.local_gradients` drives (one instance per
-    trace).
+class Accumulator:
+    """How one rank's micro-batch gradients add up (a kernel's first half, module docstring)."""
+
+    def start(self, k: Kernel, ctx: Any) -> None:
+        """Once per step, after the kernel's context is built."""
+
+    def zeros(self, k: Kernel) -> Any:
+        """The zero accumulator (with one micro-batch the first addend starts it instead)."""
+        raise NotImplementedError
+
+    def add(self, k: Kernel, acc: Any, grads: Any) -> Any:
+        """``acc + grads`` (``acc`` is ``None`` for the first addend)."""
+        raise NotImplementedError
+
+    def packed(self, k: Kernel, acc: Any) -> Any:
+        """The accumulated gradient as the end-of-step collectives take it (one per bucket)."""
+        raise NotImplementedError
+
+
+class Buckets(Accumulator):
+    """Flat buckets of ``main_grads_dtype``. With one micro-batch the gradients themselves,
+    packed right before their collective (``ops.pack_later``: a large contiguous bucket takes
+    the collective's casts and scaling gradient by gradient)."""
+
+    def zeros(self, k: Kernel) -> Any:
+        return k.ops.zeros(k.ops.numels(sharded=False), k.acc_dt)
+
+    def add(self, k: Kernel, acc: Any, grads: Any) -> Any:
+        if acc is None and k.g == 1:
+            return grads  # packed by packed(), with the collective's casts and scaling
+        flat = k.ops.pack(grads, k.acc_dt)
+        return flat if acc is None else tuple(a + f for a, f in zip(acc, flat, strict=True))
+
+    def packed(self, k: Kernel, acc: Any) -> Any:
+        return k.ops.pack_later(acc, k.acc_dt) if k.g == 1 else acc
+
+
+class PerParameter(Accumulator):
+    """One ``main_grads_dtype`` array per parameter, shaped like it, packed into buckets once
+    at the end: ``acc + dot`` has the weight gradient's shape, so XLA can make the add the
+    weight-gradient GEMM's epilogue (module docstring)."""
+
+    def start(self, k: Kernel, ctx: Any) -> None:
+        k.acc_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, k.acc_dt), ctx[0])
+
+    def zeros(self, k: Kernel) -> Any:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), k.acc_shapes)
+
+    def add(self, k: Kernel, acc: Any, grads: Any) -> Any:
+        if acc is None:
+            return jax.tree.map(lambda g: g.astype(k.acc_dt), grads)
+        return jax.tree.map(lambda a, g: a + g.astype(k.acc_dt), acc, grads)
+
+    def packed(self, k: Kernel, acc: Any) -> Any:
+        return k.ops.pack_later(acc, k.acc_dt)
+
+
+class Sharded(Accumulator):
+    """This rank's shard of every bucket (or parameter), summing reduced shards."""
+
+    def zeros(self, k: Kernel) -> Any:
+        return k.ops.zeros(k.ops.numels(sharded=True), k.acc_dt)
+
+    def add(self, k: Kernel, acc: Any, grads: Any) -> Any:
+        return _plus(acc, grads, k.acc_dt)
+
+
+class Reduction:
+    """When and how the gradients are reduced (a kernel's second half, module docstring).
 
     Attributes:
-        layout: the bucket layout.
-        peel_last: run the last of ``G > 1`` micro-batches outside the ``lax.scan`` (see
-            :func:`jaxdp._src.strategy.local.local_gradients`): right where the gradients are
-            reduced
-            after the loop, so that the last backward overlaps those collectives. Kernels
-            that reduce inside every micro-batch's backward (stages 2-3) set it ``False``: a
-            peeled copy of the model has nothing to overlap and doubles the program XLA
-            compiles. The plan also turns it off where the group has one rank (no
-            collective to overlap) and with ``overlap_grad_reduce=False`` (no overlap
-            wanted); ``__init__``'s ``peel_last`` overrides the class's.
+        peel_last: whether the plan may peel the last micro-batch out of the scan (see
+            :attr:`Kernel.peel_last`): only where the reduction follows the loop.
+        sharded: the reduced gradients are this rank's shard view (stages >= 1).
     """
 
     peel_last = True
+    sharded = True
 
-    def out(self, red: Any) -> Any:
-        """The reduced buckets as the gradients the optimizer takes (params-shaped)."""
-        return self.ops.out_full(red)
+    def divisors(self, k: Kernel) -> tuple[int, ...]:
+        """What each reduced array is left to be divided by after its collective, once
+        (:func:`jaxdp._src.comm.reduce.finish_deferred`): static, known before tracing."""
+        return k.ops.deferred_divisors(k.g)
 
-    def square_norm(self, red: Any) -> jax.Array:
-        """Squared global L2 norm of the reduced gradients (the same on every rank)."""
-        return self.ops.square_norm(red)
+    def prepare(self, k: Kernel, params: Any, mb0: Any) -> Any:
+        """Once per step: the context the gradient function runs in. Differentiates w.r.t.
+        a *varying* copy made outside the differentiated function: AD then yields per-device
+        partial gradients and inserts no psum per use."""
+        wv = k.ops.varying(k.source(params))
+        d = k.ops.loss_divisor  # carried by the loss; the reductions only sum (ops)
+        if not k.spec.fusion:
+            return wv, value_and_divided_grad(k.parts, d), k.parts
+        # jaxdp.nn kernels differentiated as fp32: those of nn.scan stacks lifted once, here,
+        # the others in each micro-batch's own body (jaxdp._src.core.fusion.Lift says why).
+        lift, fused = fused_function(k.parts, wv, mb0)
+        vg = value_and_divided_grad(fused, d)
+        within = lift.within
+        return lift.ahead(wv), lambda w, mb: vg(within(w), mb), lambda w, mb: fused(within(w), mb)
 
-    def __init__(
-        self,
-        parts: Callable[[Any, Any], Any],
-        layout: BucketLayout,
-        spec: StepSpec,
-        ops: Any,
-        *,
-        peel_last: bool | None = None,
-    ):
-        self.parts, self.layout, self.spec, self.ops = parts, layout, spec, ops
-        if peel_last is not None:
-            self.peel_last = peel_last
-        self.g = spec.num_microbatches
-        self.acc_dt = ops.wire.accumulate
-        self.check_nan = ops.wire.check_nan
+    def forward(self, k: Kernel, ctx: Any, mb: Any) -> Any:
+        return ctx[2](ctx[0], mb)
 
-    def prepare(self, params: Any, mb0: Any) -> Any:
-        """Once per step, before the micro-batch loop: the per-step context."""
-        raise NotImplementedError
+    def setup(self, k: Kernel) -> Any:
+        """Once per trace, when the kernel is built: what :meth:`prepare` builds on."""
+        return None
 
-    def forward(self, ctx: Any, mb: Any) -> Any:
-        """``loss_parts`` of one micro-batch (traced for shapes only)."""
-        raise NotImplementedError
+    def gradient(self, k: Kernel, ctx: Any, mb: Any) -> tuple[Any, Any, Callable[[], Any]]:
+        """One micro-batch: ``(loss_parts output, its gradient, finite)``; ``finite()`` gives
+        the per-parameter finite flags (asked after the gradient is accumulated)."""
+        wv, grad_fn, _ = ctx
+        out, grads = grad_fn(wv, mb)
+        return out, grads, lambda: _finite_flags(grads)
 
-    def acc0(self) -> Any:
-        """The zero accumulator (used with micro-batches; with one, the first addend starts
-        it: :meth:`micro` takes ``acc=None``)."""
-        raise NotImplementedError
+    def each(self, k: Kernel, grads: Any) -> Any:
+        """What a micro-batch's gradient becomes before it is accumulated."""
+        return grads
 
-    def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
-        """One micro-batch: ``(loss_parts output, acc + its gradient, ok & finite)``."""
-        raise NotImplementedError
-
-    def finish(self, acc: Any) -> tuple[jax.Array, ...]:
+    def finish(self, k: Kernel, acc: Any) -> tuple[jax.Array, ...]:
         """The accumulated gradient, reduced: one array per bucket (full or this rank's shard)."""
         raise NotImplementedError
 
-    def order_last(self, last: Any, loss: Any) -> Any:
-        """The last micro-batch, ordered after the loop's result ``loss`` where that helps."""
-        return last
 
-    def after_reduction(self, parts: Any, red: Any) -> Any:
-        """``parts`` (what the step sums over the group next: the loss, token count, aux and
-        model state), ordered after the reduced gradients ``red`` where the kernel was built
-        with ``order_metrics`` (:class:`ReduceAtEnd`)."""
-        return parts
+class AtEnd(Reduction):
+    """One collective per bucket after the micro-batch loop: an all-reduce of the full
+    buckets (``sharded=False``, stage 0) or a reduce-scatter divided once in
+    ``main_grads_dtype`` (stage 1, stage 2 with one micro-batch)."""
 
+    def __init__(self, sharded: bool):
+        self.sharded = sharded
 
-class _Sharded(Kernel):
-    """The reduced gradients are this rank's shard view (stages >= 1).
-
-    ``divisors``: what each reduced array is left to be divided by after its collective, once
-    (:func:`jaxdp._src.comm.reduce.finish_deferred`), static and known before anything is
-    traced; the gradient norm is told them (:meth:`jaxdp._src.comm.nested.PlainOps.square_norm`)."""
-
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        self.divisors = self._divisors()
-
-    def _divisors(self) -> tuple[int, ...]:
-        return self.ops.deferred_divisors(self.g)
-
-    def out(self, red: Any) -> Any:
-        return self.ops.out_shards(red)
-
-    def square_norm(self, red: Any) -> jax.Array:
-        return self.ops.group_sum(self.ops.square_norm(red, self.divisors))
-
-    def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
+    def finish(self, k: Kernel, acc: Any) -> tuple[jax.Array, ...]:
+        packed = k.accumulator.packed(k, acc)
+        if not self.sharded:
+            return k.ops.reduce(packed, k.g)
         # Reduce-scattered as a micro-batch is, then divided once in main_grads_dtype: the
         # same bits as the final collective (jaxdp._src.comm.reduce.reduce_one), but a power-of-two
         # 1/(G dp) is applied to this rank's shard, fused into the update, rather than to the
         # whole gradient before the wire in a pass of its own. (Where the loss carried it,
         # jaxdp._src.strategy.loss_divisor, every divisor is 1 and nothing is divided here.)
-        red = self.ops.reduce_microbatch(packed, self.g)
-        return finish_deferred(tuple(r.astype(self.acc_dt) for r in red), self.divisors)
+        red = k.ops.reduce_microbatch(packed, k.g)
+        return finish_deferred(tuple(r.astype(k.acc_dt) for r in red), k.divisors)
 
 
-class ReduceAtEnd(Kernel):
-    """Accumulate local gradients in flat buckets, all-reduce once (module docstring).
-
-    ``order_metrics`` (stage 0, buckets of whole parameters all-reduced with a ``psum``, more
-    than one rank): the step's metric and model-state sums wait for every bucket's all-reduce
-    (:meth:`after_reduction`). Otherwise XLA's all-reduce combiner may merge the loss's
-    ``psum`` with a bucket's of the same dtype (the last, partly filled bucket is under the
-    combine threshold), and XLA:GPU copies the operands of a combined all-reduce into one
-    buffer and back: two more passes over that bucket for one scalar (seen compiled for GPUs
-    with an fp32 wire, for the 100.7M GPT's largest bucket and a 100-leaf MLP's gradients;
-    BENCHMARKS.md section 11).
-    """
-
-    def __init__(
-        self,
-        *args: Any,
-        gather_first: bool = False,
-        order_metrics: bool = False,
-        **kw: Any,
-    ):
-        super().__init__(*args, **kw)
-        # overlap_param_gather: the params arrive as shards; gather them once, up front.
-        self.source = self.ops.gather_full if gather_first else (lambda p: p)
-        self.order_metrics = order_metrics
-
-    def prepare(self, params: Any, mb0: Any) -> Any:
-        # Differentiate w.r.t. a *varying* copy made outside the differentiated function: AD
-        # then yields per-device partial gradients and inserts no psum per use.
-        wv = self.ops.varying(self.source(params))
-        d = self.ops.loss_divisor  # carried by the loss; the reductions only sum (ops)
-        if not self.spec.fusion:
-            return wv, value_and_divided_grad(self.parts, d), self.parts
-        # jaxdp.nn kernels differentiated as fp32: those of nn.scan stacks lifted once, here,
-        # the others in each micro-batch's own body (jaxdp._src.core.fusion.Lift says why).
-        lift, fused = fused_function(self.parts, wv, mb0)
-        vg = value_and_divided_grad(fused, d)
-        within = lift.within
-        return lift.ahead(wv), lambda w, mb: vg(within(w), mb), lambda w, mb: fused(within(w), mb)
-
-    def forward(self, ctx: Any, mb: Any) -> Any:
-        return ctx[2](ctx[0], mb)
-
-    def acc0(self) -> Any:
-        return self.ops.zeros(self.ops.numels(sharded=False), self.acc_dt)
-
-    def _add(self, acc: Any, grads: Any) -> Any:
-        if acc is None and self.g == 1:
-            return grads  # packed by finish, with the collective's casts and scaling
-        flat = self.ops.pack(grads, self.acc_dt)
-        return flat if acc is None else tuple(a + f for a, f in zip(acc, flat, strict=True))
-
-    def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
-        wv, grad_fn, _ = ctx
-        out, grads = grad_fn(wv, mb)
-        acc = self._add(acc, grads)
-        if self.check_nan:
-            ok = ok & _finite_flags(grads)
-        return out, acc, ok
-
-    def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        if self.g == 1:  # the gradients themselves: the elementwise work, then the pack
-            return self._collective(self.ops.pack_later(acc, self.acc_dt))
-        return self._collective(acc)
-
-    def _collective(self, packed: Any) -> tuple[jax.Array, ...]:
-        return self.ops.reduce(packed, self.g)
-
-    def after_reduction(self, parts: Any, red: Any) -> Any:
-        return after(parts, red) if self.order_metrics else parts
-
-    def order_last(self, last: Any, loss: Any) -> Any:
-        # The last micro-batch does not depend on the scan, and XLA's scheduler hoists its
-        # forward pass (and the start of its backward) above the loop, keeping its activations
-        # and a packed gradient bucket alive through it: start it after the loop instead
-        # (compiled for GPUs, when stage 2 still peeled its last micro-batch, this lowered
-        # its peak at G = 4; measured with bench/bench_memory_gpu.py).
-        return after(last, loss) if self.g > 1 else last
-
-
-class ScatterAtEnd(_Sharded, ReduceAtEnd):
-    """Stages 1-2 with one micro-batch: the same, reduce-scattered once."""
-
-
-class _PerParamAccumulator(ReduceAtEnd):
-    """Accumulate in one ``main_grads_dtype`` array per parameter, shaped like it; pack into
-    buckets once, in :meth:`finish` (module docstring)."""
-
-    def prepare(self, params: Any, mb0: Any) -> Any:
-        ctx = super().prepare(params, mb0)
-        self.acc_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, self.acc_dt), ctx[0])
-        return ctx
-
-    def acc0(self) -> Any:
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.acc_shapes)
-
-    def _add(self, acc: Any, grads: Any) -> Any:
-        if acc is None:
-            return jax.tree.map(lambda g: g.astype(self.acc_dt), grads)
-        return jax.tree.map(lambda a, g: a + g.astype(self.acc_dt), acc, grads)
-
-    def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        return self._collective(self.ops.pack_later(acc, self.acc_dt))
-
-
-class ReduceAtEndPerParam(_PerParamAccumulator):
-    """Stage 0 with micro-batches: per-parameter accumulators, all-reduced at the end."""
-
-
-class ScatterAtEndPerParam(_Sharded, _PerParamAccumulator):
-    """Stage 1 with micro-batches: per-parameter accumulators, reduce-scattered at the end."""
-
-
-class ReduceEachMicrobatch(ScatterAtEnd):
-    """Stage 2: reduce-scatter every micro-batch into a sharded fp32 accumulator."""
+class EachMicrobatch(Reduction):
+    """Stage 2: every micro-batch's buckets are reduce-scattered into the (sharded)
+    accumulator, ``G`` times the communication for ``1/dp`` of the accumulator memory, and
+    divided once at the end."""
 
     peel_last = False
 
-    def acc0(self) -> Any:
-        return self.ops.zeros(self.ops.numels(sharded=True), self.acc_dt)
+    def each(self, k: Kernel, grads: Any) -> Any:
+        return k.ops.reduce_microbatch(k.ops.pack(grads, k.acc_dt), k.g)
 
-    def _add(self, acc: Any, grads: Any) -> Any:
-        red = self.ops.reduce_microbatch(self.ops.pack(grads, self.acc_dt), self.g)
-        return _plus(acc, red, self.acc_dt)
-
-    def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        # one correctly rounded division of the accumulated sums
-        return finish_deferred(acc, self.divisors)
+    def finish(self, k: Kernel, acc: Any) -> tuple[jax.Array, ...]:
+        return finish_deferred(acc, k.divisors)  # one correctly rounded division of the sums
 
 
-class GatherInGrad(_Sharded, Kernel):
+class InGrad(Reduction):
     """Stage 3: params held as shards, gathered bucket by bucket (or layer by layer) inside
     the differentiated function; the gathers' transpose reduce-scatters every micro-batch.
 
@@ -322,44 +250,152 @@ class GatherInGrad(_Sharded, Kernel):
 
     peel_last = False
 
-    def __init__(
-        self, *args: Any, value_and_grad: Callable[..., Any], pre: Callable[..., Any], **kw: Any
-    ):
-        super().__init__(*args, **kw)
-        layout, axis = self.layout, self.ops.axis
-        self.vg, self.loss = value_and_grad(
-            self.parts, layout, self.ops.wire, num_microbatches=self.g, place=self.ops.place
+    def __init__(self, value_and_grad: Callable[..., Any], pre: Callable[..., Any]):
+        self.value_and_grad, self.pre = value_and_grad, pre
+
+    def divisors(self, k: Kernel) -> tuple[int, ...]:
+        # one per accumulator: per bucket, or per parameter (PerParamOps)
+        return k.ops.per_array(zero3_divisors(k.layout, k.ops.wire, k.g))
+
+    def setup(self, k: Kernel) -> Any:
+        layout, axis = k.layout, k.ops.axis
+        vg, loss = self.value_and_grad(
+            k.parts, layout, k.ops.wire, num_microbatches=k.g, place=k.ops.place
         )
-        self.pre = pre
         vary = lambda t: jax.tree.map(lambda v: jax.lax.pcast(v, axis, to="varying"), t)  # noqa: E731
         # one accumulator per bucket, or per parameter (PerParamOps: reduces_per_parameter)
-        self.accs0 = vary(self.ops.zeros(self.ops.numels(True), self.acc_dt))
-        self.flags0 = vary(self.ops.zeros([len(b.slots) for b in layout.buckets], jnp.float32))
+        accs0 = vary(k.ops.zeros(k.ops.numels(True), k.acc_dt))
+        flags0 = vary(k.ops.zeros([len(b.slots) for b in layout.buckets], jnp.float32))
         slot_pos = [(bi, j) for bi, b in enumerate(layout.buckets) for j, _ in enumerate(b.slots)]
         slot_ids = [i for b in layout.buckets for i in b.slots]
-        order = sorted(range(len(slot_ids)), key=lambda k: slot_ids[k])
-        self.slot_pos = [slot_pos[k] for k in order]
+        order = sorted(range(len(slot_ids)), key=lambda i: slot_ids[i])
+        return vg, loss, accs0, flags0, [slot_pos[i] for i in order]
 
-    def _divisors(self) -> tuple[int, ...]:
-        # one per accumulator: per bucket, or per parameter (PerParamOps)
-        return self.ops.per_array(zero3_divisors(self.layout, self.ops.wire, self.g))
-
-    def prepare(self, params: Any, mb0: Any) -> Any:
+    def prepare(self, k: Kernel, params: Any, mb0: Any) -> Any:
         return self.pre(params)
 
+    def forward(self, k: Kernel, ctx: Any, mb: Any) -> Any:
+        _, loss, accs0, flags0, _ = k.setup
+        return loss(accs0, flags0, ctx, mb)
+
+    def gradient(self, k: Kernel, ctx: Any, mb: Any) -> tuple[Any, Any, Callable[[], Any]]:
+        vg, _, accs0, flags0, slot_pos = k.setup
+        out, (red, bad) = vg(accs0, flags0, ctx, mb)
+
+        def finite() -> Any:
+            flags = k.ops.bucket_flags(bad)
+            return jnp.stack([flags[bi][j] for bi, j in slot_pos]) == 0
+
+        return out, red, finite
+
+    def finish(self, k: Kernel, acc: Any) -> tuple[jax.Array, ...]:
+        return finish_deferred(acc, k.divisors)
+
+
+class Kernel:
+    """The interface :func:`jaxdp._src.strategy.local.local_gradients` drives (one instance per
+    trace): an :class:`Accumulator` and a :class:`Reduction`, composed.
+
+    Args:
+        parts: the user's loss as ``loss_parts`` (``(loss, (num_tokens, aux, state))``).
+        layout, spec, ops: the bucket layout, the step spec and the bucket operations.
+        accumulator: :class:`Buckets`, :class:`PerParameter` or :class:`Sharded`.
+        reduction: :class:`AtEnd`, :class:`EachMicrobatch` or :class:`InGrad`.
+        peel_last: run the last of ``G > 1`` micro-batches outside the ``lax.scan`` (see
+            :func:`jaxdp._src.strategy.local.local_gradients`): right where the gradients are
+            reduced after the loop, so that the last backward overlaps those collectives. Only
+            where the reduction follows the loop (:attr:`Reduction.peel_last`): a peeled copy
+            of the model would have nothing to overlap and doubles the program XLA compiles.
+            The plan turns it off where the group has one rank (no collective to overlap) and
+            with ``overlap_grad_reduce=False`` (no overlap wanted).
+        gather_first: ``overlap_param_gather``: the params arrive as shards; gather them once,
+            up front.
+        order_metrics: (stage 0, buckets of whole parameters all-reduced with a ``psum``, more
+            than one rank) the step's metric and model-state sums wait for every bucket's
+            all-reduce (:meth:`after_reduction`). Otherwise XLA's all-reduce combiner may merge
+            the loss's ``psum`` with a bucket's of the same dtype (the last, partly filled
+            bucket is under the combine threshold), and XLA:GPU copies the operands of a
+            combined all-reduce into one buffer and back: two more passes over that bucket
+            for one scalar (BENCHMARKS.md section 11).
+    """
+
+    def __init__(
+        self,
+        parts: Callable[[Any, Any], Any],
+        layout: BucketLayout,
+        spec: StepSpec,
+        ops: Any,
+        *,
+        accumulator: Accumulator,
+        reduction: Reduction,
+        peel_last: bool = True,
+        gather_first: bool = False,
+        order_metrics: bool = False,
+    ):
+        self.parts, self.layout, self.spec, self.ops = parts, layout, spec, ops
+        self.accumulator, self.reduction = accumulator, reduction
+        self.peel_last = peel_last and reduction.peel_last
+        self.source = ops.gather_full if gather_first else (lambda p: p)
+        self.order_metrics = order_metrics
+        self.g = spec.num_microbatches
+        self.acc_dt = ops.wire.accumulate
+        self.check_nan = ops.wire.check_nan
+        self.divisors = reduction.divisors(self) if reduction.sharded else ()
+        self.setup = reduction.setup(self)  # once per trace, before the step's context
+        self.acc_shapes: Any = None  # PerParameter: the accumulators' shapes (prepare sets them)
+
+    def prepare(self, params: Any, mb0: Any) -> Any:
+        """Once per step, before the micro-batch loop: the per-step context."""
+        ctx = self.reduction.prepare(self, params, mb0)
+        self.accumulator.start(self, ctx)
+        return ctx
+
     def forward(self, ctx: Any, mb: Any) -> Any:
-        return self.loss(self.accs0, self.flags0, ctx, mb)
+        """``loss_parts`` of one micro-batch (traced for shapes only)."""
+        return self.reduction.forward(self, ctx, mb)
 
     def acc0(self) -> Any:
-        return self.ops.zeros(self.ops.numels(True), self.acc_dt)
+        """The zero accumulator (used with micro-batches; with one, the first addend starts
+        it: :meth:`micro` takes ``acc=None``)."""
+        return self.accumulator.zeros(self)
 
     def micro(self, ctx: Any, acc: Any, ok: Any, mb: Any) -> tuple[Any, Any, Any]:
-        out, (red, bad) = self.vg(self.accs0, self.flags0, ctx, mb)
-        acc = _plus(acc, red, self.acc_dt)
+        """One micro-batch: ``(loss_parts output, acc + its gradient, ok & finite)``."""
+        out, grads, finite = self.reduction.gradient(self, ctx, mb)
+        acc = self.accumulator.add(self, acc, self.reduction.each(self, grads))
         if self.check_nan:
-            bad = self.ops.bucket_flags(bad)
-            ok = ok & (jnp.stack([bad[bi][j] for bi, j in self.slot_pos]) == 0)
+            ok = ok & finite()
         return out, acc, ok
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        return finish_deferred(acc, self.divisors)
+        """The accumulated gradient, reduced: one array per bucket (full or this rank's shard)."""
+        return self.reduction.finish(self, acc)
+
+    def out(self, red: Any) -> Any:
+        """The reduced buckets as the gradients the optimizer takes (params-shaped, or this
+        rank's shard view)."""
+        return self.ops.out_shards(red) if self.reduction.sharded else self.ops.out_full(red)
+
+    def square_norm(self, red: Any) -> jax.Array:
+        """Squared global L2 norm of the reduced gradients (the same on every rank)."""
+        if not self.reduction.sharded:
+            return self.ops.square_norm(red)
+        return self.ops.group_sum(self.ops.square_norm(red, self.divisors))
+
+    def order_last(self, last: Any, loss: Any) -> Any:
+        """The last micro-batch, ordered after the loop's result ``loss`` where that helps.
+
+        The last micro-batch does not depend on the scan, and XLA's scheduler hoists its
+        forward pass (and the start of its backward) above the loop, keeping its activations
+        and a packed gradient bucket alive through it: start it after the loop instead
+        (compiled for GPUs, when stage 2 still peeled its last micro-batch, this lowered its
+        peak at G = 4; measured with bench/bench_memory_gpu.py)."""
+        if self.reduction.peel_last and self.g > 1:
+            return after(last, loss)
+        return last
+
+    def after_reduction(self, parts: Any, red: Any) -> Any:
+        """``parts`` (what the step sums over the group next: the loss, token count, aux and
+        model state), ordered after the reduced gradients ``red`` where the kernel was built
+        with ``order_metrics``."""
+        return after(parts, red) if self.order_metrics else parts

@@ -47,12 +47,13 @@ from ..zero3.gather import gathers_per_parameter, zero3_value_and_grad
 from ..zero3.remat import remat_policy_for
 from ..zero3.scan import find_stacks, zero3_scan_value_and_grad
 from .kernels import (
-    GatherInGrad,
-    ReduceAtEnd,
-    ReduceAtEndPerParam,
-    ReduceEachMicrobatch,
-    ScatterAtEnd,
-    ScatterAtEndPerParam,
+    AtEnd,
+    Buckets,
+    EachMicrobatch,
+    InGrad,
+    Kernel,
+    PerParameter,
+    Sharded,
 )
 from .loss_divisor import loss_divisor
 from .spec import StepSpec
@@ -373,6 +374,7 @@ def _strategy(
     # With micro-batches, accumulate per parameter (the GEMM's epilogue can do the add) where
     # the params are whole on each device; nested regions keep bucket accumulators.
     per_param_acc = g > 1 and not isinstance(common["ops"], NestedOps)
+    at_end = PerParameter() if per_param_acc else Buckets()  # the accumulator when reducing last
     # Kernels that reduce after the loop peel its last micro-batch out of it, so that its
     # backward overlaps the collectives (jaxdp._src.strategy.local.local_gradients). With one rank
     # there
@@ -383,12 +385,14 @@ def _strategy(
     kernel: Callable[..., Any]
     if stage == 0:
         # Whole-parameter buckets all-reduced with a psum: the metric sums wait for them, so
-        # that XLA does not combine a scalar into a bucket's all-reduce (ReduceAtEnd). Not
+        # that XLA does not combine a scalar into a bucket's all-reduce (Kernel). Not
         # tensor-parallel buckets (NestedOps): one element of a bucket split over the model
         # axes would have to be sent to the other model ranks to be waited for.
         psum_buckets = common["ops"].packs_whole_buckets and not _all_to_all(config)
         kernel = functools.partial(
-            ReduceAtEndPerParam if per_param_acc else ReduceAtEnd,
+            Kernel,
+            accumulator=at_end,
+            reduction=AtEnd(sharded=False),
             peel_last=peel,
             order_metrics=psum_buckets and group.size > 1,
         )
@@ -401,11 +405,18 @@ def _strategy(
         )
     if stage in (1, 2):
         early = config.overlap_param_gather  # params kept sharded, gathered up front
-        if stage == 2 and g > 1:
-            kernel = functools.partial(ReduceEachMicrobatch, gather_first=early)
+        if stage == 2 and g > 1:  # reduce-scatter every micro-batch into a sharded accumulator
+            kernel = functools.partial(
+                Kernel, accumulator=Sharded(), reduction=EachMicrobatch(), gather_first=early
+            )
         else:
-            each = ScatterAtEndPerParam if per_param_acc else ScatterAtEnd
-            kernel = functools.partial(each, gather_first=early, peel_last=peel)
+            kernel = functools.partial(
+                Kernel,
+                accumulator=at_end,
+                reduction=AtEnd(sharded=True),
+                gather_first=early,
+                peel_last=peel,
+            )
         per_parameter = isinstance(common["ops"], PerParamOps)
         return ShardedOpt(
             kernel=kernel,
@@ -435,7 +446,7 @@ def _strategy(
     if names_dot_operands(config):  # the policy saves what XLA's attention reads
         vg = _naming_dot_operands(vg)
     pre: Callable[..., Any] = layout.shard_unview if layout.stacked else (lambda v: v)
-    kernel = functools.partial(GatherInGrad, value_and_grad=vg, pre=pre)
+    kernel = functools.partial(Kernel, accumulator=Sharded(), reduction=InGrad(vg, pre))
     return ShardedParams(
         kernel=kernel,
         master_codec=view,
