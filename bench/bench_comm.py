@@ -23,11 +23,9 @@ from __future__ import annotations
 import os
 import sys
 
-if "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
+
+os.environ.update(H.cpu_devices(8))
 
 import re
 from typing import Any
@@ -172,7 +170,7 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool = False) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     width, layers = (128, 4) if quick else (512, 8)
     bucket_size = 2 * width * width
     res: dict[str, Any] = {
@@ -186,5 +184,13 @@ def main(quick: bool = False) -> dict[str, Any]:
     return res
 
 
+def reading(res: dict[str, Any]) -> str:
+    ratios = [r["ratio"] for r in res["rows"]]
+    worst = max(res["rows"], key=lambda r: r["ratio"])
+    return H.reading(
+        "bench_comm", lo=min(ratios), hi=max(ratios), stage=worst["stage"], mode=worst["mode"]
+    )
+
+
 if __name__ == "__main__":
-    print(main(quick="--quick" in sys.argv)["markdown"])
+    print(result(quick="--quick" in sys.argv)["markdown"])

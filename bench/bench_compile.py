@@ -49,17 +49,14 @@ from __future__ import annotations
 import os
 import sys
 
-if "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
+
+os.environ.update(H.cpu_devices(8))
 
 import contextlib
 import json
 import re
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -331,11 +328,10 @@ def _targets() -> list[str]:
 
 
 def _h100_mesh() -> Any:
-    try:
-        return jaxdp.aot.h100_mesh(8)
-    except Exception as e:  # no gpu-aot extra installed: skip that compiler
-        print(f"compile-only H100 devices unavailable ({type(e).__name__}); skipped")
-        return None
+    mesh, why = H.h100_mesh(8)
+    if mesh is None:  # no gpu-aot extra installed: skip that compiler
+        print(f"{why}; skipped")
+    return mesh
 
 
 def _warm_up(mesh: Any) -> None:
@@ -372,13 +368,8 @@ def fresh(target: str, layers: int, variant: str, timers: bool = False) -> dict[
     """Run one measurement (``plain`` or ``stage0``/``stage1``) in a fresh Python process;
     ``timers``: with XLA's own timers on, their split of the step's compile added
     (:func:`xla_seconds`)."""
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--one", target, str(layers), variant],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **TIMER_ENV} if timers else None,
-    )
+    args = [os.path.abspath(__file__), "--one", target, str(layers), variant]
+    proc = H.python(args, TIMER_ENV if timers else None, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             out = dict(json.loads(line.removeprefix("RESULT ")))
@@ -565,7 +556,7 @@ def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict
                     runs[v].append(fresh(target, layers, v))
 
             def med(v: str, key: str | None = None, runs: Any = runs) -> float:
-                return statistics.median(_total(x) if key is None else x[key] for x in runs[v])
+                return H.median(_total(x) if key is None else x[key] for x in runs[v])
 
             def within(v: str, base: str, runs: Any = runs) -> list[float]:
                 """``v``'s total over ``base``'s, round by round."""
@@ -582,12 +573,12 @@ def run(layer_counts: tuple[int, ...], rounds: int, big_rounds: int = 3) -> dict
             }
             row["noisy"] = noisy(row)
             for peer in ("plain+norm", "zero1+norm"):
-                row[f"{peer}_ratio"] = statistics.median(within(peer, "plain"))
+                row[f"{peer}_ratio"] = H.median(within(peer, "plain"))
             for name, (goal_peer, peer) in against.items():
                 for suffix, base in (("", goal_peer), ("_peer", peer)):
                     ratios = within(name, base)
                     row[f"{name}{suffix}_ratios"] = ratios
-                    row[f"{name}{suffix}_ratio"] = statistics.median(ratios)
+                    row[f"{name}{suffix}_ratio"] = H.median(ratios)
                 row[name] = med(name)
                 for key in (*_PARTS, "slice_fusions"):
                     row[f"{name}_{key}"] = med(name, key)
@@ -653,19 +644,12 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['stage0_slice_fusions']:.0f} / {r['stage1_slice_fusions']:.0f} "
             f"| {verdict} |"
         )
-    lines.append(
-        f"\nProcess CPU seconds of `init` + lower + compile, each in a fresh process after a "
-        f"warm-up compile; medians of {res['rounds']} rounds ({res['big_rounds']} at 1,000 "
-        "leaves), ratios taken within each round (plain jit, its two peers below, stage 0 and "
-        "stage 1 run back to back, in rotating order)."
-    )
+    rounds = {"rounds": res["rounds"], "big_rounds": res["big_rounds"]}
+    lines += ["", H.reading("bench_compile", "process", **rounds)]
     if res["rows"]:
         lines += [
             "",
-            "The same rounds against like-for-like peers: plain `jit` that also returns "
-            "`optax.global_norm` of its gradients (jaxdp's metrics carry `grad_norm`), and the "
-            'GSPMD ZeRO-1 peer (optimizer state sharded `P("data")`, params constrained back '
-            "to replicated) that also returns it:",
+            H.reading("bench_compile", "peers"),
             "",
             "| compiler | leaves | plain jit s | plain jit + norm s | GSPMD ZeRO-1 + norm s "
             "| stage 0 / plain jit + norm | stage 1 / GSPMD ZeRO-1 + norm |",
@@ -680,9 +664,7 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("instructions"):
         lines += [
             "",
-            "The same compiles counted in instructions, which do not move with the machine's "
-            "load (callgrind, `bench_compile.instructions`: the step's XLA compile only, every "
-            "thread; the same program counted twice differed by 0.1-0.5%), in billions:",
+            H.reading("bench_compile", "instructions"),
             "",
             "| compiler | leaves | plain jit | plain jit + norm | GSPMD ZeRO-1 + norm "
             "| jaxdp stage 0 (ratio) | jaxdp stage 1 (ratio) | goal |",
@@ -694,15 +676,7 @@ def markdown(res: dict[str, Any]) -> str:
         t0 = res["timers"][0]
         lines += [
             "",
-            f"Where the XLA compile goes at {t0['leaves']:,} leaves: each variant compiled once "
-            "more in a fresh process with XLA's own timers on (`TF_CPP_VMODULE`, "
-            "`bench_compile.xla_seconds`), seconds of the step's compile by the passes they "
-            "time. Partitioner: Shardy's export and the SPMD partitioner's passes; other: every "
-            "other HLO pass (simplification, layout, copy insertion, scheduling, ...); backend: "
-            "code generation (LLVM and PTX on GPUs, LLVM and the thunk graph on XLA:CPU, as "
-            "wall time of the thread that waits for it); rest: the process's compile CPU "
-            "seconds beyond XLA's two totals (jax's side, and any code generation on other "
-            "threads):",
+            H.reading("bench_compile", "xla_timers", leaves=t0["leaves"]),
             "",
             "| compiler | variant | XLA compile s (process) | partitioner s | fusion s "
             "| other HLO passes s | backend s | rest s |",
@@ -718,8 +692,7 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("operands"):
         lines += [
             "",
-            "XLA:CPU compile seconds of `x * 2` over N replicated arrays of 2,048 floats: plain "
-            "`jit`, one `shard_map` with N operands and N results, and N/100 `shard_map`s of 100:",
+            H.reading("bench_compile", "shard_maps"),
             "",
             "| operands N | plain jit s | one shard_map s (ratio) | shard_maps of 100 s (ratio) |",
             "|---:|---:|---:|---:|",
@@ -733,7 +706,7 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool = False) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     # five rounds below 1,000 leaves: with two, run-to-run noise flipped the 1.3x verdicts
     res = run((5,) if quick else (5, 50, 500), rounds=1 if quick else 5, big_rounds=3)
     res["timers"] = timer_rows(5 if quick else 500, quick=quick)
@@ -746,9 +719,115 @@ def main(quick: bool = False) -> dict[str, Any]:
     return res
 
 
+def _where(target: str) -> str:
+    return "XLA:CPU" if target.lower().startswith("cpu") else "H100s"
+
+
+def _timers(res: dict[str, Any]) -> str:
+    """The third table's reading: each difference that matters for the goal, split by where
+    XLA's timers put it."""
+    rows = {(r["target"], r["variant"]): r for r in res.get("timers") or []}
+    pairs = (
+        ("plain+norm", "plain", "the norm (plain `jit` + norm over plain `jit`)"),
+        ("stage0", "plain+norm", "stage 0 over plain `jit` + norm"),
+        ("stage1", "zero1+norm", "stage 1 over the GSPMD ZeRO-1 peer + norm"),
+    )
+    keys = ("xla_partition", "partitioner"), ("xla_fusion", "fusion"), ("xla_other", "other passes")
+    keys += (("xla_backend", "backend"),)
+    out, partitioner = [], {}
+    for target, name in (("h100", "8 compile-only H100s"), ("cpu", "XLA:CPU")):
+        found = []
+        for a, b, what in pairs:
+            if (target, a) not in rows or (target, b) not in rows:
+                continue
+            ra, rb = rows[(target, a)], rows[(target, b)]
+            split = ", ".join(f"{label} {ra[k] - rb[k]:+.1f}" for k, label in keys)
+            found.append(f"{what} {ra['compile'] - rb['compile']:+.1f} s ({split})")
+            partitioner[f"{target}_{a[-1]}"] = f"{ra['xla_partition'] - rb['xla_partition']:+.1f}"
+        if found:
+            out.append(f"{name}: " + "; ".join(found))
+    if not out:
+        return ""
+    parts = {f"{t}_{s}": partitioner.get(f"{t}_{s}", "?") for t in ("h100", "cpu") for s in "01"}
+    return "\n\n" + H.reading("bench_compile", "timers", where=". ".join(out), **parts)
+
+
+def _instruction_reading(res: dict[str, Any]) -> str:
+    """The instruction table's reading: each stage over plain ``jit`` and the goal."""
+    rows = res.get("instructions") or []
+    if not rows:
+        return ""
+    goal, parts = res.get("goal", GOAL), []
+    for r in rows:
+        stages = [f"stage {v[-1]} {r[f'{v}_ratio']:.2f}x" for v in ("stage0", "stage1") if v in r]
+        peers = [
+            f"{label} {r[v] / r['plain']:.2f}x"
+            for v, label in (("plain+norm", "plain `jit` + norm"), ("zero1+norm", "ZeRO-1 + norm"))
+            if v in r
+        ]
+        parts.append(f"{_where(r['target'])} {r['leaves']} leaves: " + ", ".join(stages + peers))
+    over = [
+        f"stage {v[-1]} on {'XLA:CPU' if r['target'] == 'cpu' else 'the H100s'} at "
+        f"{r['leaves']} leaves ({r[f'{v}_ratio']:.2f}x)"
+        for r in rows
+        for v in ("stage0", "stage1")
+        if v in r and r[f"{v}_ratio"] > goal
+    ]
+    verdict = "Over the goal by count: " + "; ".join(over) + "." if over else ""
+    verdict = verdict or "Every counted compile is within the goal."
+    text = H.reading("bench_compile", "counted", parts="; ".join(parts), verdict=verdict)
+    return "\n\n" + text
+
+
+def reading(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    big = [r for r in rows if r["target"].startswith("CPU")][-1]
+
+    def listing(target: str) -> str:
+        return ", ".join(
+            f"{r['leaves']} leaves {r['stage0_ratio']:.2f}x / {r['stage1_ratio']:.2f}x"
+            for r in rows
+            if r["target"].startswith(target)
+        )
+
+    def peers(key: str) -> str:
+        return ", ".join(f"{_where(r['target'])} {r['leaves']} leaves {r[key]:.2f}x" for r in rows)
+
+    operands = ""
+    if res.get("operands"):
+        small, most = res["operands"][0], res["operands"][-1]
+        operands = "\n\n" + H.reading(
+            "bench_compile",
+            "operands",
+            small=small["one"] / small["jit"],
+            n_small=small["operands"],
+            big=most["one"] / most["jit"],
+            n_big=most["operands"],
+            chunked=most["chunked"] / most["jit"],
+        )
+    caveat = "".join(H.reading("bench_compile", "caveat", **r) for r in rows if r.get("noisy"))
+    return H.reading(
+        "bench_compile",
+        goal=res.get("goal", GOAL),
+        cpu=listing("CPU"),
+        gpu=listing("H100") or "not measured (no gpu-aot extra)",
+        caveat=caveat,
+        plain_norm=peers("plain+norm_ratio"),
+        zero1_norm=peers("zero1+norm_ratio"),
+        stage1_peer=peers("stage1_peer_ratio"),
+        stage0_peer=peers("stage0_peer_ratio"),
+        counted=_instruction_reading(res),
+        timers=_timers(res),
+        init=big["stage1_init"],
+        probe_ms=1e3 * big["stage1_probe"],
+        leaves=big["leaves"],
+        operands=operands,
+    )
+
+
 if __name__ == "__main__":
     if "--one" in sys.argv:
         i = sys.argv.index("--one")
         _child(sys.argv[i + 1], int(sys.argv[i + 2]), sys.argv[i + 3])
         sys.exit(0)
-    print(main(quick="--quick" in sys.argv)["markdown"])
+    print(result(quick="--quick" in sys.argv)["markdown"])

@@ -39,11 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse
 import re
-import statistics
 import time
 from collections import Counter
 from typing import Any
 
+import _harness as H
 import jax
 import jax.numpy as jnp
 import optax
@@ -138,7 +138,7 @@ def _time(step: Any, state: Any, batch: Any, n: int) -> tuple[float, float]:
         state, m = step(state, batch)
         float(m["loss"] if isinstance(m, dict) else m)
         loop.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(dispatch), 1e6 * statistics.median(loop)
+    return 1e6 * H.median(dispatch), 1e6 * H.median(loop)
 
 
 def per_array_us(n: int = 200, sizes: tuple[int, int] = (32, 512)) -> float:
@@ -156,7 +156,7 @@ def per_array_us(n: int = 200, sizes: tuple[int, int] = (32, 512)) -> float:
             s = f(s)
             ts.append(time.perf_counter() - t0)
         jax.block_until_ready(s)
-        out.append(1e6 * statistics.median(ts))
+        out.append(1e6 * H.median(ts))
     return (out[1] - out[0]) / (sizes[1] - sizes[0])
 
 
@@ -212,9 +212,8 @@ def kernel_launches(text: str) -> int:
 def launches(layers: int = 64, width: int = 16) -> list[dict[str, Any]]:
     """Kernel launches per step of every variant and peer compiled for one compile-only H100
     (empty without the ``gpu-aot`` extra)."""
-    try:
-        mesh = aot.h100_mesh(1)
-    except Exception:  # the gpu-aot extra is missing
+    mesh, _ = H.h100_mesh(1)
+    if mesh is None:  # the gpu-aot extra is missing
         return []
     params = jax.eval_shape(lambda: _params(layers, width))
     batch = {"x": jax.ShapeDtypeStruct((8, width), jnp.float32)}
@@ -271,11 +270,39 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main_result(quick: bool = False) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     """:func:`run` (``quick``: 8 layers, 20 calls) plus its ``"markdown"``."""
     res = run(8, 16, 20) if quick else run()
     res["markdown"] = markdown(res)
     return res
+
+
+def reading(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    by = {r["variant"]: r for r in rows}
+    ours = [r for r in rows if "peer" in r]
+
+    def ratio(r: dict[str, Any], key: str) -> float:
+        return float(r[key] / by[PEERS[r["peer"]]][key])
+
+    worst = max(ours, key=lambda r: ratio(r, "loop_us"))
+    extra = [
+        f"{r['variant'][6:]} {r['arrays'] - by[PEERS[r['peer']]]['arrays']:+d}"
+        for r in ours
+        if r["arrays"] != by[PEERS[r["peer"]]]["arrays"]
+    ]
+    text = H.reading(
+        "bench_dispatch",
+        per_array_us=res["per_array_us"],
+        extra=", ".join(extra) if extra else "none",
+        worst=worst["variant"][6:],
+        worst_ratio=ratio(worst, "loop_us"),
+    )
+    launches = ""
+    if all("launches" in r for r in rows):
+        launch = "; ".join(f"{r['variant'][6:]} {ratio(r, 'launches'):.2f}x" for r in ours)
+        launches = "\n" + H.reading("bench_dispatch", "launches", launch=launch)
+    return f"{text}\n{launches}"
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -22,15 +22,12 @@ from __future__ import annotations
 import os
 import sys
 
-if "jax" not in sys.modules and "--gpu" not in sys.argv:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
+
+os.environ.update({} if "--gpu" in sys.argv else H.cpu_devices(8))
 
 import argparse
 import re
-import statistics
 import time
 from collections import Counter
 from typing import Any
@@ -149,24 +146,25 @@ def step_times(
                     "batch": b,
                     "compile_s": time.perf_counter() - t0,
                     "compiled": compiled,
-                    "times": [],
                 }
             )
-    for v in variants:  # warm-up
-        v["state"], _ = v["dp"].step(v["state"], v["batch"])
-        jax.block_until_ready(v["state"])
-    for _ in range(rounds):
-        for v in variants:
-            t0 = time.perf_counter()
-            for _ in range(inner):
+
+    def run(v: dict[str, Any]) -> Any:
+        def steps(k: int) -> Any:
+            for _ in range(k):
                 v["state"], _ = v["dp"].step(v["state"], v["batch"])
-            jax.block_until_ready(v["state"])
-            v["times"].append((time.perf_counter() - t0) / inner)
+            return jax.block_until_ready(v["state"])
+
+        return steps
+
+    times = H.rounds({str(i): run(v) for i, v in enumerate(variants)}, rounds, inner)
+    for i, v in enumerate(variants):
+        v["times"] = times[str(i)]
     return [
         {
             "stage": v["stage"],
             "fused": v["fused"],
-            "ms": 1e3 * statistics.median(v["times"]),
+            "ms": 1e3 * H.median(v["times"]),
             "compile_s": v["compile_s"],
         }
         for v in variants
@@ -229,10 +227,9 @@ def wgrad_report(text: str, width: int) -> list[str]:
 def h100(width: int, depth: int, batch: int, g: int) -> dict[str, Any]:
     from jaxdp import aot
 
-    try:
-        mesh = aot.h100_mesh(8)
-    except Exception as e:
-        return {"skipped": f"{type(e).__name__}: {e}"}
+    mesh, why = H.h100_mesh(8)
+    if mesh is None:
+        return {"skipped": why}
     loss_fn, params, data = _mlp_problem(width, depth, batch)
     out: dict[str, Any] = {}
     for fuse in (False, True):
@@ -259,7 +256,7 @@ def gpu(width: int = 4096, depth: int = 8, batch: int = 64, g: int = 8) -> None:
 
 
 # ---------------------------------------------------------------- entry points
-def run(quick: bool = False) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     width, depth, g = (256, 3, 4) if quick else (512, 4, 4)
     batch = 8 * g * 16
     res: dict[str, Any] = {
@@ -301,10 +298,7 @@ def markdown(res: dict[str, Any]) -> str:
         )
     out += [
         "",
-        "XLA:CPU normalises bf16 dots to f32, so the unfused path rounds each f32 weight "
-        "gradient to bf16 and converts it back before the add, which the fused path does not; "
-        "whether that alone explains the ratio was not established. The machine (2 cores) was "
-        "shared with other jobs: read the ratios as rough, not the absolute times.",
+        H.reading("bench_fusion"),
         "",
         "### Weight-gradient GEMM on 8 compile-only H100s (stage 0, same MLP)",
         "",
@@ -315,24 +309,8 @@ def markdown(res: dict[str, Any]) -> str:
     else:
         for key in ("unfused", "fused"):
             out.append(f"* {key}: " + " / ".join(h[key]))
-        out += [
-            "",
-            f"({c['depth']} layers: one GEMM per layer in the scanned micro-batch body and one in "
-            "the peeled last micro-batch.) XLA emits Triton GEMM fusions. With fusion, in the "
-            "scanned micro-batches the f32 accumulator (one array per parameter, of its shape) "
-            "is an operand of the GEMM fusion, whose root adds the product to it: the "
-            "accumulation is the GEMM's epilogue, with no pass of its own. The peeled last "
-            "micro-batch's products are added to their accumulators in one fusion per "
-            "parameter, on the way to its all-reduce (stage 0 all-reduces each parameter on "
-            "its own).",
-        ]
-    out += [
-        "",
-        "GPU timing (not run: no GPU in this session): on a GPU host run "
-        "`python bench/bench_fusion.py --gpu` (MLP of 8 `jaxdp.nn.Dense` 4096x4096, G = 8, "
-        "stages 0 and 1, all local GPUs).",
-    ]
-    return "\n".join(out)
+        out += ["", H.reading("bench_fusion", "h100", depth=c["depth"])]
+    return "\n".join([*out, "", H.reading("bench_fusion", "gpu")])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -343,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.gpu:
         gpu()
         return None
-    res = run(quick=args.quick)
+    res = result(quick=args.quick)
     print(res["markdown"])
     return res
 

@@ -65,6 +65,8 @@ import time
 import warnings
 from typing import Any
 
+import _harness as H
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -132,12 +134,9 @@ def checked_flags(base: list[str], flags: list[str]) -> tuple[list[str], list[st
     with, and the ones it aborts on (tried one by one only when the whole set fails)."""
 
     def starts(extra: list[str]) -> bool:
-        env = dict(os.environ, XLA_FLAGS=" ".join([*base, *extra]))
-        code = "import jax; jax.devices()"
+        code, flags = "import jax; jax.devices()", " ".join([*base, *extra])
         try:
-            run = subprocess.run(
-                [sys.executable, "-c", code], env=env, capture_output=True, timeout=60
-            )
+            run = H.python(["-c", code], {"XLA_FLAGS": flags}, timeout=60)
         except subprocess.TimeoutExpired:
             return False
         return run.returncode == 0
@@ -179,7 +178,6 @@ from jaxdp.models import GPT, GPTConfig, attention_implementation, next_byte_los
 from jaxdp.train._data import CorpusError, batch_rows, load_corpus  # noqa: E402
 from jaxdp.train._mfu import peak_tflops, train_flops_per_token  # noqa: E402
 
-START, END = "<!-- bench_gpu:start -->", "<!-- bench_gpu:end -->"
 PIPELINE = 15
 #: Kernels by name recorded per variant (``--jsonl``; not in the markdown): what the busy
 #: time is made of, to set a jaxdp row's kernels against the bare row's.
@@ -407,7 +405,6 @@ def fusion(
     return [{**r, "rows": rows} for r in out]
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_CONFIG = "configs/gpt_300m_gpu.yaml"
 
 
@@ -420,20 +417,17 @@ def main_job(
     meta = {"steps": steps, "config": config, "sets": list(sets)}
     out = tempfile.mkdtemp(prefix="jaxdp-main-job-")
     cmd = [
-        sys.executable, "-m", "jaxdp.train", "--config", config, "--steps", str(steps),
+        "-m", "jaxdp.train", "--config", config, "--steps", str(steps),
         "--out", out, "--overwrite", "--set", "train.sample_bytes=0", "--set",
         "train.eval_batches=1", "--set", f"train.log_every={max(steps // 4, 1)}",
     ]  # fmt: skip
     for kv in sets:
         cmd += ["--set", kv]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    path = os.pathsep.join([H.ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
     # XLA_FLAGS passes on: the main job runs with the flags the bench checked and uses.
     t0 = time.perf_counter()
     try:
-        run = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
+        run = H.python(cmd, {"PYTHONPATH": path}, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s", **meta}
     summary = os.path.join(out, "summary.json")
@@ -547,23 +541,6 @@ def markdown(
     return "\n".join(lines)
 
 
-def write_section(path: str, body: str, name: str = "") -> None:
-    """Replace the text between the ``bench_gpu{name}`` markers of ``path`` (append them if
-    missing)."""
-    text = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    start, end = (m.replace("bench_gpu", f"bench_gpu{name}") for m in (START, END))
-    block = f"{start}\n{body}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip() + "\n\n## GPU: `bench/bench_gpu.py`\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv) if argv is not None else ARGS
     assert args is not None
@@ -656,7 +633,7 @@ def main(argv: list[str] | None = None) -> str:
                 f.write(json.dumps(line) + "\n")
         if args.write and rows:
             md = markdown(head, rows, fuse, mfu, job, skipped, failed)
-            write_section(args.write, md, args.block)
+            H.write_block(args.write, md, args.block)
 
     for kind, what in plan:
         label = {
@@ -723,7 +700,7 @@ def main(argv: list[str] | None = None) -> str:
     md = markdown(head, rows, fuse, mfu, job, skipped, failed)
     print("\n" + md)
     if args.write:
-        write_section(args.write, md, args.block)
+        H.write_block(args.write, md, args.block)
         print(f"wrote the GPU section of {args.write}")
     return md
 

@@ -5,9 +5,10 @@ Run: python bench/bench_layout.py
 
 from __future__ import annotations
 
-import statistics
 import time
+from typing import Any
 
+import _harness as H
 import jax
 import jax.numpy as jnp
 
@@ -21,9 +22,10 @@ def tree(n_leaves: int):
     }
 
 
-def main(n_leaves: int = 1000, repeats: int = 7) -> dict[str, float]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
+    n_leaves, repeats = (100, 2) if quick else (1000, 7)
     params = tree(n_leaves)
-    out = {}
+    out, log = {}, []
     for kind in ("contiguous", "megatron", "interleaved"):
         cfg = DDPConfig(
             zero_stage=0 if kind == "contiguous" else 1,
@@ -35,13 +37,17 @@ def main(n_leaves: int = 1000, repeats: int = 7) -> dict[str, float]:
             t0 = time.perf_counter()
             lay = BucketLayout.from_params(params, cfg, dp_size=8)
             times.append(time.perf_counter() - t0)
-        out[kind] = statistics.median(times)
-        print(
+        out[kind] = H.median(times)
+        log.append(
             f"{kind:12s} {n_leaves} leaves -> {len(lay.buckets)} buckets: "
             f"median {1e3 * out[kind]:.1f} ms over {repeats} runs"
         )
-    return out
+        print(log[-1])
+    rows = [(k, f"{1e3 * v:.1f}", "< 1000 ms") for k, v in out.items()]
+    table = H.table(["layout", f"median ms ({repeats} runs)", "target"], rows, "lrl")
+    md = f"`bench/bench_layout.py`, dp=8, bucket_size=1,000,000.\n\n{table}\n\n```\n"
+    return {"times": out, "markdown": md + "\n".join(log) + "\n```"}
 
 
 if __name__ == "__main__":
-    main()
+    result()

@@ -25,14 +25,10 @@ Run: python bench/bench_memory.py
 from __future__ import annotations
 
 import os
-import sys
 
-if "jax" not in sys.modules:  # must be set before jax starts its backend
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    # Simulated CPU devices by design; skip any installed GPU plugin (and its start-up errors).
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
+
+os.environ.update(H.cpu_devices(8))
 
 import math
 import re
@@ -44,18 +40,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from bench_step import MLP, make_loss
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import MLP, make_loss
-
 WIDTH, DEPTH, OUT, BATCH = 1024, 4, 16, 64
 SMALL_BUCKET = 1_100_000  # a bucket closes about every 1024x1024 kernel: several buckets
-MIB = 2**20
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "pred": 1}
+MIB = H.MIB
 
 
 def abstract_params(model: MLP) -> Any:
@@ -86,7 +79,7 @@ def _shapes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
     out = []
     for dt, dims in re.findall(r"\b(f32|bf16|f16|f64|s32|pred)\[([\d,]*)\]", text):
         shape = tuple(int(d) for d in dims.split(",") if d)
-        out.append((dt, shape, math.prod(shape) * _ITEMSIZE[dt]))
+        out.append((dt, shape, math.prod(shape) * H.ITEMSIZE[dt]))
     return out
 
 
@@ -172,64 +165,48 @@ def _mib(x: float) -> str:
 
 
 def main_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| stage | G | argument | output | alias | temp | total¹ | ZeRO formula | "
-        "formula + fp32 acc | total ÷ (formula + fp32 acc) | fp32 accumulator term |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    head = ["stage", "G", "argument", "output", "alias", "temp", "total¹", "ZeRO formula"]
+    head += ["formula + fp32 acc", "total ÷ (formula + fp32 acc)", "fp32 accumulator term"]
+    out = []
     for r in rows:
-        psi, n = r["psi"], r["n"]
+        psi = r["psi"]
         total = r["arg"] + r["out"] - r["alias"] + r["temp"]
-        paper, adj, why = formulas(r["stage"], r["g"], psi, n)
-        lines.append(
-            f"| {r['stage']} | {r['g']} | {_mib(r['arg'])} | {_mib(r['out'])} "
-            f"| {_mib(r['alias'])} | {_mib(r['temp'])} | {_mib(total)} ({total / psi:.2f}Ψ) "
-            f"| {_mib(paper)} ({paper / psi:.2f}Ψ) | {_mib(adj)} ({adj / psi:.2f}Ψ) "
-            f"| {total / adj:.2f} | {why} |"
-        )
-    lines += [
-        "",
-        "All sizes MiB per device. ¹ total = argument + output - alias + temp: the donated "
-        "state is aliased to the new state, so it is counted once.",
-    ]
-    return "\n".join(lines)
+        paper, adj, why = formulas(r["stage"], r["g"], psi, r["n"])
+        cells = [_mib(r[k]) for k in ("arg", "out", "alias", "temp")]
+        cells += [f"{_mib(x)} ({x / psi:.2f}Ψ)" for x in (total, paper, adj)]
+        out.append([r["stage"], r["g"], *cells, f"{total / adj:.2f}", why])
+    return H.table(head, out, "r" * 10 + "l") + (
+        "\n\nAll sizes MiB per device. ¹ total = argument + output - alias + temp: the donated "
+        "state is aliased to the new state, so it is counted once."
+    )
 
 
 def breakdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| stage | G | state measured | state formula | ratio | temp | temp ÷ Ψ "
-        "| dots bf16 / f32 | f32 carried in the micro-batch loop "
-        "| gradient/param collectives as compiled |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
+    head = ["stage", "G", "state measured", "state formula", "ratio", "temp", "temp ÷ Ψ"]
+    head += ["dots bf16 / f32", "f32 carried in the micro-batch loop"]
+    head += ["gradient/param collectives as compiled"]
+    out = []
     for r in rows:
         psi, n = r["psi"], r["n"]
         formula = 2 * psi + 12 * psi / (n if r["stage"] >= 1 else 1)
         measured = r["arg"] - r["batch"]
-        lines.append(
-            f"| {r['stage']} | {r['g']} | {_mib(measured)} | {_mib(formula)} "
-            f"| {measured / formula:.3f} | {_mib(r['temp'])} | {r['temp'] / psi:.2f} B "
-            f"| {r['dots']} | {r['loop_f32']} | {r['collectives']} |"
-        )
-    return "\n".join(lines)
+        ratio, temp = f"{measured / formula:.3f}", f"{r['temp'] / psi:.2f} B"
+        out.append([r["stage"], r["g"], _mib(measured), _mib(formula), ratio, _mib(r["temp"])])
+        out[-1] += [temp, r["dots"], r["loop_f32"], r["collectives"]]
+    return H.table(head, out, "r" * 8 + "ll")
 
 
 def control_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| param_dtype | bucket_size | buckets | stage | G | state ÷ Ψ | temp ÷ Ψ "
-        "| f32 weight-shaped arrays in the loop carry |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['param_dtype']} | {r['bucket_size']} | {r['buckets']} | {r['stage']} "
-            f"| {r['g']} | {(r['arg'] - r['batch']) / r['psi']:.2f} B "
-            f"| {r['temp'] / r['psi']:.2f} B | {r['loop_f32']} |"
-        )
-    return "\n".join(lines)
+    head = ["param_dtype", "bucket_size", "buckets", "stage", "G", "state ÷ Ψ", "temp ÷ Ψ"]
+    head += ["f32 weight-shaped arrays in the loop carry"]
+    keys = ("param_dtype", "bucket_size", "buckets", "stage", "g")
+    out = [[*(r[k] for k in keys), f"{(r['arg'] - r['batch']) / r['psi']:.2f} B"] for r in rows]
+    for r, row in zip(rows, out, strict=True):
+        row += [f"{r['temp'] / r['psi']:.2f} B", r["loop_f32"]]
+    return H.table(head, out, "llrrrrrl")
 
 
-def main(quick: bool = False) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     """The tables; ``quick`` (a smoke run) keeps only the fp32 controls the reading quotes."""
     model = MLP(width=WIDTH, depth=DEPTH, out=OUT)
     params = abstract_params(model)
@@ -273,5 +250,23 @@ def main(quick: bool = False) -> dict[str, Any]:
     return {"markdown": md, "rows": rows, "controls": controls, "psi": psi}
 
 
+def reading(res: dict[str, Any]) -> str:
+    psi, f32, small = res["psi"], "float32 (None)", f"{SMALL_BUCKET:,}"
+    ctl = {
+        (r["param_dtype"], r["bucket_size"], r["stage"], r["g"]): r["temp"] / psi
+        for r in res["controls"]
+    }
+    g4 = [r["temp"] / psi for r in res["rows"] if r["g"] > 1]
+    return H.reading(
+        "bench_memory",
+        auto1=ctl[(f32, "auto", 1, 1)],
+        small1=ctl[(f32, small, 1, 1)],
+        small2=ctl[(f32, small, 2, 4)],
+        g4_lo=min(g4),
+        g4_hi=max(g4),
+        auto2=ctl[(f32, "auto", 2, 4)],
+    )
+
+
 if __name__ == "__main__":
-    main()
+    result()

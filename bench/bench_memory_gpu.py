@@ -18,6 +18,7 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _harness as H
 import jax
 import jax.numpy as jnp
 import optax
@@ -79,13 +80,11 @@ def _configs(quick: bool = False) -> list[tuple[int, int, Any, bool]]:
     return out
 
 
-def main(quick: bool = False) -> dict[str, Any]:
-    try:
-        mesh = aot.h100_mesh(N)
-    except Exception as e:  # the gpu-aot extra is missing
-        md = f"Skipped: compile-only H100 devices unavailable ({type(e).__name__}: {e})."
-        print(md)
-        return {"markdown": md}
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
+    mesh, why = H.h100_mesh(N)
+    if mesh is None:
+        print(f"Skipped: {why}.")
+        return {"markdown": f"Skipped: {why}."}
     loss_fn, params, batch = aot.example_mlp(layers=LAYERS, width=WIDTH, batch=BATCH)
     psi = sum(x.size for x in jax.tree.leaves(params))
     t0 = time.perf_counter()
@@ -111,9 +110,7 @@ def main(quick: bool = False) -> dict[str, Any]:
         except (NotImplementedError, TypeError):
             continue  # a feature this checkout does not have
         m = aot.compile_step(dp, params, batch).memory_analysis()
-        state = m.argument_size_in_bytes
-        total = state + m.output_size_in_bytes - m.alias_size_in_bytes
-        total += m.temp_size_in_bytes
+        state, total = m.argument_size_in_bytes, H.total_bytes(m)
         biggest = max(b.numel_unpadded for b in dp.layout.buckets)
         want = formula(stage, psi)
         allow, why = allowance(stage, g, psi, act[g], biggest)
@@ -149,5 +146,19 @@ def main(quick: bool = False) -> dict[str, Any]:
     return {"markdown": md, "ratios": ratios, "psi": psi}
 
 
+def reading(res: dict[str, Any]) -> str:
+    ratios = res.get("ratios")
+    if not ratios:
+        return H.reading("bench_memory_gpu", "skipped")
+    over = [f"stage {s} at G = {g}" for (s, g), r in sorted(ratios.items()) if r > GOAL]
+    return H.reading(
+        "bench_memory_gpu",
+        cells=", ".join(f"stage {s} G = {g}: {r:.2f}x" for (s, g), r in sorted(ratios.items())),
+        verdict=f"above the 1.10x goal: {', '.join(over)}"
+        if over
+        else "every row is within the 1.10x goal",
+    )
+
+
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv[1:])
+    result(quick="--quick" in sys.argv[1:])

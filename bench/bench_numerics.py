@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 import sys
 
-if "jax" not in sys.modules:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from typing import Any
 
@@ -32,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from _plots import plot_target
 
 from jaxdp import BucketLayout, DDPConfig, reduce_gradients, ring_reduce_scatter
 
@@ -146,17 +146,33 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     ns = (8, 12, 24, 64) if quick else NS
     per_rank = 2048 if quick else 8192
     res: dict[str, Any] = {"per_rank": per_rank, "rows": measure(ns, per_rank)}
-    path, res["plot"] = plot_target(plots, "numerics_vs_n.png")
+    path, res["plot"] = H.plot_target(plots, "numerics_vs_n.png")
     plot(res["rows"], path)
     res["markdown"] = markdown(res)
     return res
 
 
+def reading(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    first, last = rows[0], rows[-1]
+    exact = all(r["fp32 wire exact"] == r["all_to_all + fp32 sum exact"] == 1.0 for r in rows)
+    return H.reading(
+        "bench_numerics",
+        err0=first["bf16 ring err"],
+        n0=first["N"],
+        err1=last["bf16 ring err"],
+        n1=last["N"],
+        exact0=first["bf16 ring exact"],
+        exact1=last["bf16 ring exact"],
+        fp32="every element correctly rounded at every N" if exact else "see the table",
+    )
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     out = args[args.index("--plots") + 1] if "--plots" in args else None
-    print(main(quick="--quick" in args, plots=out)["markdown"])
+    print(result(quick="--quick" in args, plots=out)["markdown"])

@@ -32,37 +32,18 @@ import re
 import time
 from typing import Any
 
+import _harness as H
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxdp import DataParallel, DDPConfig, aot
 from jaxdp._src.config.config import REMAT_POLICIES
 from jaxdp.models import GPT, GPTConfig, next_byte_loss
 
 N = 8
-MIB = 2.0**20
+MIB = H.MIB
 
-_ITEMSIZE = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-}
-_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
 _FREE = {
@@ -89,16 +70,6 @@ _COLLECTIVE = (
     "recv",
 )
 _GEMM_KINDS = ('"kind":"__triton_nested_gemm_fusion"', '"kind":"__triton_gemm"', "__cublas")
-
-
-def _array_bytes(text: str) -> int:
-    total = 0
-    for dt, dims in _ARRAY.findall(text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _ITEMSIZE[dt]
-    return total
 
 
 def _split_shape(rest: str) -> tuple[str, str]:
@@ -167,7 +138,7 @@ def _sliced_reads(instrs: list[tuple[str, str, str]]) -> dict[int, int]:
             params[name] = int(re.search(r"parameter\((\d+)\)", tail).group(1))  # type: ignore[union-attr]
 
     def one_d(shape: str) -> tuple[str, str] | None:
-        dims = _ARRAY.findall(shape)
+        dims = H.ARRAY.findall(shape)
         return dims[0] if len(dims) == 1 and "," not in dims[0][1] else None
 
     out: dict[int, int] = {}
@@ -208,11 +179,11 @@ def _sliced_reads(instrs: list[tuple[str, str, str]]) -> dict[int, int]:
             continue
         start = 0
         for o in parts:
-            dt, n = _ARRAY.findall(info[o][1])[0]
+            dt, n = H.ARRAY.findall(info[o][1])[0]
             end = start + int(n)
             if o in params:
                 got = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in spans)
-                out[params[o]] = min(int(n), got) * _ITEMSIZE[dt]
+                out[params[o]] = min(int(n), got) * H.ITEMSIZE[dt]
             start = end
     return out
 
@@ -232,7 +203,7 @@ def traffic(text: str) -> dict[str, float]:
         if m and cur is not None:
             shape, tail = _split_shape(m.group(2))
             cur.append((m.group(1), shape, tail))
-    sizes = {name: _array_bytes(shape) for ins in comps.values() for name, shape, _ in ins}
+    sizes = {name: H.array_bytes(shape) for ins in comps.values() for name, shape, _ in ins}
     out = {"all": 0.0, "model": 0.0, "gemm": 0.0}
     sliced: dict[str, dict[int, int]] = {}  # fused computation -> {param index: bytes read}
 
@@ -259,7 +230,7 @@ def traffic(text: str) -> dict[str, float]:
                     sliced[called.group(1)] = _sliced_reads(comps[called.group(1)])
                 for k, b in sliced[called.group(1)].items():
                     reads[k] = min(reads[k], b)
-            moved = times * (_array_bytes(shape) + sum(reads))
+            moved = times * (H.array_bytes(shape) + sum(reads))
             if (op == "fusion" and any(k in tail for k in _GEMM_KINDS)) or (
                 op == "custom-call" and ("gemm" in tail or "matmul" in tail)
             ):
@@ -274,22 +245,13 @@ def traffic(text: str) -> dict[str, float]:
     return out
 
 
-def _total(m: Any) -> int:
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
 def _reading(compiled: Any, psi: int) -> dict[str, float]:
     m = compiled.memory_analysis()
     t = traffic(compiled.as_text())
     return {
         "temp MiB": m.temp_size_in_bytes / MIB,
-        "total MiB": _total(m) / MIB,
-        "total B/param": _total(m) / psi,
+        "total MiB": H.total_bytes(m) / MIB,
+        "total B/param": H.total_bytes(m) / psi,
         "traffic MiB": t["all"] / MIB,
         "model traffic MiB": t["model"] / MIB,
         "model traffic B/param": t["model"] / psi,
@@ -329,17 +291,9 @@ def gpt_problem(quick: bool, g: int) -> tuple[Any, Any, Any, dict[str, Any]]:
 
 
 def _peer(loss_fn: Any, params: Any, batch: Any, g: int, mesh: Any, psi: int) -> dict[str, Any]:
-    from bench_zero3 import _abstract, _jit_peer
+    from bench_zero3 import compile_peer
 
-    opt = optax.adamw(1e-4)
-    step, (ps, os_) = _jit_peer(loss_fn, opt, g, mesh, params)
-    bsh = NamedSharding(mesh, P("data"))
-    compiled = step.lower(
-        _abstract(params, ps),
-        _abstract(jax.eval_shape(opt.init, params), os_),
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bsh), batch),
-    ).compile()
-    return _reading(compiled, psi)
+    return _reading(compile_peer(loss_fn, optax.adamw(1e-4), g, mesh, params, batch)[0], psi)
 
 
 def run(model: str, quick: bool = False, gs: tuple[int, ...] = (1, 4)) -> dict[str, Any]:

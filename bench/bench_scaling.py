@@ -20,22 +20,15 @@ from __future__ import annotations
 import os
 import sys
 
-if "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
 
-import statistics
-import time
+os.environ.update(H.cpu_devices(8))
+
 from typing import Any
 
+import bench_step
 import jax
 import jax.numpy as jnp
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_step
-from _plots import plot_target
 
 import jaxdp
 
@@ -44,23 +37,8 @@ DEPTH = 4
 
 
 def _memory(variant: bench_step.Variant) -> float:
-    m = variant.step.lower(variant.state, variant.batch).compile().memory_analysis()  # type: ignore[attr-defined]
-    return float(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
-def _time(variant: bench_step.Variant, rounds: int, inner: int) -> float:
-    variant.run(2)  # warm-up (compiles)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        variant.run(inner)
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+    lowered = variant.step.lower(variant.state, variant.batch)  # type: ignore[attr-defined]
+    return float(H.total_bytes(lowered.compile().memory_analysis()))
 
 
 def _variants(width: int, devices: int) -> list[bench_step.Variant]:
@@ -86,7 +64,7 @@ def measure(widths: tuple[int, ...], counts: tuple[int, ...], rounds: int, inner
             variants = _variants(width, k)
             row: dict[str, Any] = {"width": width, "devices": k}
             for v in variants:
-                row[f"{v.name} ms"] = 1e3 * _time(v, rounds, inner)
+                row[f"{v.name} ms"] = 1e3 * H.median_time(v.run, rounds, inner, warmup=2)
                 row[f"{v.name} MiB"] = _memory(v) / 2**20
             params = sum(x.size for x in jax.tree.leaves(variants[0].state[0]))
             row["params"] = params
@@ -164,7 +142,7 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     widths = (128,) if quick else (128, 256, 512)
     counts = (1, 8) if quick else (1, 2, 4, 8)
     rounds, inner = (2, 2) if quick else (7, 3)
@@ -173,13 +151,30 @@ def main(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
         "rounds": rounds,
         "inner": inner,
     }
-    path, res["plot"] = plot_target(plots, "scaling.png")
+    path, res["plot"] = H.plot_target(plots, "scaling.png")
     plot(res["rows"], path)
     res["markdown"] = markdown(res)
     return res
 
 
+def reading(res: dict[str, Any]) -> str:
+    def span(devices: int, key: str, unit: str) -> str:
+        rows = [r for r in res["rows"] if r["devices"] == devices]
+        vals = [r[f"jaxdp {key} {unit}"] / r[f"plain jit {unit}"] for r in rows]
+        return f"{min(vals):.2f}x-{max(vals):.2f}x"
+
+    return H.reading(
+        "bench_scaling",
+        **{
+            f"{unit.lower()}{k}_{s}": span(k, f"stage {s}", unit)
+            for k in (1, 8)
+            for s in (0, 1)
+            for unit in ("ms", "MiB")
+        },
+    )
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     out = args[args.index("--plots") + 1] if "--plots" in args else None
-    print(main(quick="--quick" in args, plots=out)["markdown"])
+    print(result(quick="--quick" in args, plots=out)["markdown"])

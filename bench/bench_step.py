@@ -28,17 +28,12 @@ something. Run: python bench/bench_step.py
 from __future__ import annotations
 
 import os
-import sys
 
-if "jax" not in sys.modules:  # must be set before jax starts its backend
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    # Simulated CPU devices by design; skip any installed GPU plugin (and its start-up errors).
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
+
+os.environ.update(H.cpu_devices(8))
 
 import re
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -259,35 +254,33 @@ def build_variants(mesh) -> list[Variant]:
 
 
 def measure(variants: list[Variant], rounds: int, inner: int, warmup: int) -> None:
+    """Paired rounds after warm-up (the first call also compiles through jit's own cache)."""
+    times = H.rounds({v.name: v.run for v in variants}, rounds, inner, warmup)
     for v in variants:
-        v.run(warmup)  # the first call also compiles through jit's own cache
-        v.times = []
-    for _ in range(rounds):
-        for v in variants:
-            t0 = time.perf_counter()
-            v.run(inner)
-            v.times.append((time.perf_counter() - t0) / inner)
+        v.times = times[v.name]
 
 
 def _med(v: Variant) -> float:
-    return statistics.median(v.times)
+    return H.median(v.times)
+
+
+def _cells(v: Variant, ref: float) -> list[str]:
+    """Name, median ms, min-max ms and the median over ``ref``."""
+    spread = f"{1e3 * min(v.times):.1f}-{1e3 * max(v.times):.1f}"
+    return [v.name, f"{1e3 * _med(v):.1f}", spread, f"{_med(v) / ref:.2f}x"]
 
 
 def table(variants: list[Variant], rounds: int, inner: int) -> str:
     ref = _med(variants[1])
     ctrl = _med(variants[3])
-    lines = [
-        "| variant | ms/step (median) | min-max ms | ÷ plain jit | ÷ control | compile s "
-        "| compiled HLO (static counts) | notes |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+    head = ["variant", "ms/step (median)", "min-max ms", "÷ plain jit", "÷ control"]
+    head += ["compile s", "compiled HLO (static counts)", "notes"]
+    rows = [
+        [*_cells(v, ref), f"{_med(v) / ctrl:.2f}x", f"{v.compile_s:.2f}", v.hlo, v.note]
+        for v in variants
     ]
-    for v in variants:
-        med = _med(v)
-        lines.append(
-            f"| {v.name} | {1e3 * med:.1f} | {1e3 * min(v.times):.1f}-{1e3 * max(v.times):.1f} "
-            f"| {med / ref:.2f}x | {med / ctrl:.2f}x | {v.compile_s:.2f} | {v.hlo} | {v.note} |"
-        )
-    lines += [
+    lines = [
+        H.table(head, rows, "lrrrrrll"),
         "",
         f"Median over {rounds} rounds of {inner} steps each (per-step time = round time / "
         f"{inner}), variants interleaved round-robin after warm-up. Compile time is "
@@ -317,18 +310,16 @@ def single_device(rounds: int, inner: int, warmup: int) -> tuple[str, dict[str, 
     lines = [
         f"Same two steps on **one** device, batch {BATCH // 8}x{WIDTH} (one rank's share):",
         "",
-        "| variant (dp=1) | ms/step (median) | min-max ms | ÷ default |",
-        "|---|---:|---:|---:|",
+        H.table(
+            ["variant (dp=1)", "ms/step (median)", "min-max ms", "÷ default"],
+            [_cells(v, ref) for v in variants],
+        ),
     ]
-    for v in variants:
-        lines.append(
-            f"| {v.name} | {1e3 * _med(v):.1f} | {1e3 * min(v.times):.1f}-"
-            f"{1e3 * max(v.times):.1f} | {_med(v) / ref:.2f}x |"
-        )
     return "\n".join(lines), {v.name: _med(v) for v in variants}
 
 
-def main(rounds: int = 15, inner: int = 2, warmup: int = 3) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
+    rounds, inner, warmup = (2, 1, 1) if quick else (15, 2, 3)
     mesh = jaxdp.make_mesh()
     if mesh.shape["data"] != 8:
         raise RuntimeError(f"expected 8 devices, got {dict(mesh.shape)}; set XLA_FLAGS first")
@@ -359,5 +350,32 @@ def main(rounds: int = 15, inner: int = 2, warmup: int = 3) -> dict[str, Any]:
     }
 
 
+def reading(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+
+    def ms(name: str) -> float:
+        return next(v for k, v in rows.items() if k.startswith(name))[0]
+
+    plain, ctrl, peer = ms("plain jit"), ms("control"), ms("shard_map per-leaf pmean")
+    g4_0, g4_2 = ms("jaxdp stage 0, G=4"), ms("jaxdp zero_stage=2, G=4")
+    small, default = ms("jaxdp stage 0, bucket_size"), ms("jaxdp default")
+    lo, hi = next(v for k, v in res["spread"].items() if k.startswith("jaxdp stage 0, bucket"))
+    one = list(res["single_device"].values())
+    return H.reading(
+        "bench_step",
+        ctrl_ms=1e3 * ctrl,
+        plain_ms=1e3 * plain,
+        vs_ctrl=default / ctrl,
+        vs_peer=default / peer,
+        small_bucket=SMALL_BUCKET,
+        one=one[1] / one[0],
+        small=small / default,
+        lo_ms=1e3 * lo,
+        hi_ms=1e3 * hi,
+        g4=g4_0 / default,
+        g4_2=g4_2 / g4_0,
+    )
+
+
 if __name__ == "__main__":
-    main()
+    result()

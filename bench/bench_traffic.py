@@ -44,18 +44,16 @@ import re
 import time
 from typing import Any
 
+import _harness as H
 import jax
 import optax
-from bench_remat import _COMP, _INSTR, _array_bytes, _split_shape, gpt_problem, traffic
-from bench_zero3 import _abstract, _spec, _total, gspmd_fsdp_step
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from bench_remat import _COMP, _INSTR, _split_shape, gpt_problem, traffic
+from bench_zero3 import compile_peer
 
 from jaxdp import DataParallel, DDPConfig, aot
 
 N = 8
 _DIMS = re.compile(r"\b(?:pred|[suf]\d+|bf16|f8\w*)\[([0-9,]*)\]")
-GIB = 2.0**30
 
 
 def concat_bytes(text: str, min_bytes: int) -> int:
@@ -105,7 +103,7 @@ def concat_bytes(text: str, min_bytes: int) -> int:
             if op == "concatenate" or (
                 op == "fusion" and called is not None and builds_output(called.group(1), n)
             ):
-                nbytes = _array_bytes(shape)
+                nbytes = H.array_bytes(shape)
                 total += nbytes if nbytes >= min_bytes else 0
     return total
 
@@ -117,36 +115,10 @@ def _reading(compiled: Any, psi: int) -> dict[str, float]:
     return {
         "traffic": t["all"] / vol,
         "model": t["model"] / vol,
-        "peak GiB": _total(compiled.memory_analysis()) / GIB,
+        "peak GiB": H.total_bytes(compiled.memory_analysis()) / H.GIB,
         # 1% of the params in bf16: any bucket of gradients, no scalar
         "concat": concat_bytes(text, 2 * psi // 100) / vol,
     }
-
-
-def compile_peer(
-    loss_fn: Any, params: Any, batch: Any, g: int, mesh: Any, kind: str
-) -> tuple[Any, float]:
-    opt = optax.adamw(1e-4)
-    opt_abs = jax.eval_shape(opt.init, params)
-    if kind == "replicated":
-        shard = lambda x: NamedSharding(mesh, P())  # noqa: E731
-    else:
-        shard = lambda x: NamedSharding(mesh, _spec(x.shape, N))  # noqa: E731
-    ps, os_ = jax.tree.map(shard, params), jax.tree.map(shard, opt_abs)
-    step = jax.jit(
-        gspmd_fsdp_step(loss_fn, opt, g, mesh, remat=kind == "sharded + remat"),
-        in_shardings=(ps, os_, NamedSharding(mesh, P("data"))),
-        out_shardings=(ps, os_, NamedSharding(mesh, P())),
-        donate_argnums=(0, 1),
-    )
-    bsh = NamedSharding(mesh, P("data"))
-    t0 = time.perf_counter()
-    compiled = step.lower(
-        _abstract(params, ps),
-        _abstract(opt_abs, os_),
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bsh), batch),
-    ).compile()
-    return compiled, time.perf_counter() - t0
 
 
 # Megatron's fp32 main-grad path: the weight-gradient GEMMs write fp32 (jaxdp.models.GPT's
@@ -175,7 +147,7 @@ def run(quick: bool = False, g: int = 1) -> dict[str, Any]:
     kinds = ("replicated", "sharded") if quick else ("replicated", "sharded", "sharded + remat")
     variants = VARIANTS[:2] if quick else VARIANTS
     for kind in kinds:
-        compiled, secs = compile_peer(loss_fn, params, batch, g, mesh, kind)
+        compiled, secs = compile_peer(loss_fn, optax.adamw(1e-4), g, mesh, params, batch, kind)
         peers[kind] = {**_reading(compiled, psi), "compile s": secs}
         rows.append({"program": f"GSPMD {kind}", **peers[kind]})
         print(rows[-1], flush=True)
@@ -212,21 +184,71 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main_result(quick: bool = False, g: int = 1) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None, g: int = 1) -> dict[str, Any]:
     """:func:`run` plus its ``"markdown"`` (or ``"skipped"`` without the gpu-aot extra)."""
-    try:
-        aot.h100_mesh(N)
-    except Exception as e:  # the gpu-aot extra is missing
-        why = f"compile-only H100 devices unavailable ({type(e).__name__}: {e})"
+    mesh, why = H.h100_mesh(N)
+    if mesh is None:
         return {"skipped": why, "markdown": f"Skipped: {why}.", "rows": []}
     res = run(quick, g)
     res["markdown"] = markdown(res)
     return res
 
 
+def reading(res: dict[str, Any]) -> str:
+    if not res.get("rows"):
+        return ""
+    rows = {r["program"]: r for r in res["rows"]}
+    ours = [r for r in res["rows"] if "peer" in r]
+    lines = []
+    for r in ours:
+        goal = 0.25 if not r["program"].startswith("jaxdp stage 3") else 0.0
+        met = "met" if r["vs peer"] <= goal else "not met"
+        lines.append(
+            f"{r['program'][6:]}: {r['vs peer']:+.2f} against {r['peer']} (goal <= {goal:+.2f}: "
+            f"{met})"
+        )
+    s3, sharded = rows.get("jaxdp stage 3"), rows.get("GSPMD sharded")
+    peak = ""
+    if s3 and sharded:
+        ok = "met" if s3["peak GiB"] <= sharded["peak GiB"] else "not met"
+        peak = H.reading(
+            "bench_traffic", "peak", s3=s3["peak GiB"], sharded=sharded["peak GiB"], ok=ok
+        )
+    concat = [r["program"][6:] for r in ours if r["concat"] > 0]
+    rep = rows.get("GSPMD replicated")
+    text = H.reading(
+        "bench_traffic",
+        lines="; ".join(lines),
+        peak_text=peak,
+        concat=", ".join(concat) if concat else "none",
+        pack=f"{rep['concat']:.2f}" if rep else "n/a",
+    )
+    bf16 = rows.get("jaxdp stage 1")
+    plain, fused = (rows.get(f"jaxdp stage 1, fp32 wire{s}") for s in ("", " + fusion"))
+    if bf16 and plain and fused:
+        text += "\n" + H.reading(
+            "bench_traffic",
+            "fp32_wire",
+            plain=plain["traffic"] - bf16["traffic"],
+            fused=fused["traffic"] - bf16["traffic"],
+        )
+    if s0 := rows.get("jaxdp stage 0, fp32 wire"):
+        text += "\n\n" + H.reading("bench_traffic", "stage0_wire", s0=s0["vs peer"])
+    remat = rows.get("GSPMD sharded + remat")
+    if s3 and remat and sharded:
+        text += "\n\n" + H.reading(
+            "bench_traffic",
+            "stage3_operands",
+            s3=s3["traffic"],
+            sharded=sharded["traffic"],
+            peak=s3["peak GiB"],
+        )
+    return text
+
+
 def main(argv: list[str]) -> None:
     g = int(argv[argv.index("--g") + 1]) if "--g" in argv else 1
-    print(main_result("--quick" in argv, g)["markdown"], flush=True)
+    print(result("--quick" in argv, g=g)["markdown"], flush=True)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,10 @@ from __future__ import annotations
 import os
 import sys
 
-if "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as H
 
-import statistics
+os.environ.update(H.cpu_devices(8))
+
 import time
 from typing import Any
 
@@ -96,44 +93,45 @@ def gspmd_fsdp_step(loss_fn: Any, optimizer: Any, g: int, mesh: Any, *, remat: b
     return step
 
 
-def _peer_shardings(mesh: Any, params: Any, optimizer: Any) -> tuple[Any, Any]:
-    ps = jax.tree.map(lambda x: NamedSharding(mesh, _spec(x.shape, N)), params)
-    opt_abs = jax.eval_shape(optimizer.init, params)
-    os_ = jax.tree.map(lambda x: NamedSharding(mesh, _spec(x.shape, N)), opt_abs)
-    return ps, os_
-
-
-def _jit_peer(loss_fn: Any, optimizer: Any, g: int, mesh: Any, params: Any) -> Any:
-    ps, os_ = _peer_shardings(mesh, params, optimizer)
-    rep = NamedSharding(mesh, P())
-    return jax.jit(
-        gspmd_fsdp_step(loss_fn, optimizer, g, mesh),
+def peer(
+    loss_fn: Any, optimizer: Any, g: int, mesh: Any, params: Any, kind: str = "sharded"
+) -> tuple[Any, tuple[Any, Any]]:
+    """The jitted GSPMD peer and its (params, optimizer state) shardings. ``kind``:
+    ``"replicated"`` (plain data parallelism), ``"sharded"`` (FSDP: every leaf sharded on a
+    dimension that divides) or ``"sharded + remat"`` (and stage 3's remat rule)."""
+    spec = (lambda x: P()) if kind == "replicated" else (lambda x: _spec(x.shape, N))
+    ps = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), params)
+    os_ = jax.tree.map(
+        lambda x: NamedSharding(mesh, spec(x)), jax.eval_shape(optimizer.init, params)
+    )
+    step = jax.jit(
+        gspmd_fsdp_step(loss_fn, optimizer, g, mesh, remat=kind == "sharded + remat"),
         in_shardings=(ps, os_, NamedSharding(mesh, P("data"))),
-        out_shardings=(ps, os_, rep),
+        out_shardings=(ps, os_, NamedSharding(mesh, P())),
         donate_argnums=(0, 1),
-    ), (ps, os_)
-
-
-def _abstract(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+    return step, (ps, os_)
 
 
-def _total(m: Any) -> int:
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
+def compile_peer(
+    loss_fn: Any, optimizer: Any, g: int, mesh: Any, params: Any, batch: Any, kind: str = "sharded"
+) -> tuple[Any, float]:
+    """:func:`peer` compiled for abstract ``params`` and ``batch``, and its compile seconds."""
+    step, (ps, os_) = peer(loss_fn, optimizer, g, mesh, params, kind)
+    opt_abs = jax.eval_shape(optimizer.init, params)
+    t0 = time.perf_counter()
+    compiled = step.lower(
+        H.abstract(params, ps),
+        H.abstract(opt_abs, os_),
+        H.abstract(batch, NamedSharding(mesh, P("data"))),
+    ).compile()
+    return compiled, time.perf_counter() - t0
 
 
 def memory(layers: int, width: int, batch: int, bucket: int) -> dict[str, Any]:
-    try:
-        mesh = aot.h100_mesh(N)
-    except Exception as e:  # the gpu-aot extra is missing
-        return {"skipped": f"compile-only H100 devices unavailable ({type(e).__name__}: {e})"}
+    mesh, why = H.h100_mesh(N)
+    if mesh is None:
+        return {"skipped": why}
     loss_fn, params, data = aot.example_mlp(layers=layers, width=width, batch=batch)
     psi = sum(x.size for x in jax.tree.leaves(params))
     opt = optax.adam(1e-3)
@@ -145,43 +143,16 @@ def memory(layers: int, width: int, batch: int, bucket: int) -> dict[str, Any]:
         try:
             dp = jaxdp.DataParallel(loss_fn, opt, cfg, mesh=mesh)
             m = aot.compile_step(dp, params, data).memory_analysis()
-            ours: float | None = _total(m) / psi
+            ours: float | None = H.total_bytes(m) / psi
             nb = len(dp.layout.buckets)
         except NotImplementedError:
             ours, nb = None, 0
-        step, (ps, os_) = _jit_peer(loss_fn, opt, g, mesh, params)
-        abs_opt = jax.eval_shape(opt.init, params)
-        bsh = NamedSharding(mesh, P("data"))
-        pm = (
-            step.lower(
-                _abstract(params, ps),
-                _abstract(abs_opt, os_),
-                _abstract(data, {k: bsh for k in data}),
-            )
-            .compile()
-            .memory_analysis()
-        )
+        pm = compile_peer(loss_fn, opt, g, mesh, params, data)[0].memory_analysis()
         formula = 16 / N + (4 / N if g > 1 else 0.0)
-        rows.append(
-            {
-                "g": g,
-                "buckets": nb,
-                "jaxdp": ours,
-                "peer": _total(pm) / psi,
-                "formula": formula,
-            }
-        )
-        print(f"G={g}: jaxdp stage 3 {ours} B/param, GSPMD peer {_total(pm) / psi:.2f} B/param")
+        theirs = H.total_bytes(pm) / psi
+        rows.append({"g": g, "buckets": nb, "jaxdp": ours, "peer": theirs, "formula": formula})
+        print(f"G={g}: jaxdp stage 3 {ours} B/param, GSPMD peer {theirs:.2f} B/param")
     return {"psi": psi, "rows": rows, "layers": layers, "width": width, "batch": batch}
-
-
-def _median_time(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def step_time(layers: int, width: int, batch: int, reps: int) -> dict[str, Any]:
@@ -208,7 +179,7 @@ def step_time(layers: int, width: int, batch: int, reps: int) -> dict[str, Any]:
     opt = optax.adam(1e-3)
     out: dict[str, float | None] = {}
     for g in (1, 4):
-        step, (ps, os_) = _jit_peer(loss_fn, opt, g, mesh, params)
+        step, (ps, os_) = peer(loss_fn, opt, g, mesh, params)
         master = jax.device_put(params, ps)
         st = jax.device_put(opt.init(params), os_)
         b = jax.device_put(data, NamedSharding(mesh, P("data")))
@@ -218,8 +189,7 @@ def step_time(layers: int, width: int, batch: int, reps: int) -> dict[str, Any]:
             holder[0], holder[1], loss = step(holder[0], holder[1], b)  # noqa: B023
             return loss
 
-        run_peer()
-        out[f"GSPMD peer, G={g}"] = _median_time(run_peer, reps)
+        out[f"GSPMD peer, G={g}"] = H.median_time(H.repeat(run_peer), reps)
         for stage in (1, 3):
             cfg = jaxdp.DDPConfig(
                 zero_stage=stage, num_microbatches=g, param_dtype="bfloat16", bucket_size=None
@@ -237,8 +207,7 @@ def step_time(layers: int, width: int, batch: int, reps: int) -> dict[str, Any]:
                 state[0], metrics = dp.step(state[0], bb)  # noqa: B023
                 return metrics["loss"]
 
-            run_ours()
-            out[key] = _median_time(run_ours, reps)
+            out[key] = H.median_time(H.repeat(run_ours), reps)
         print({k: (None if v is None else round(1e3 * v, 2)) for k, v in out.items()})
     return {"times": out, "layers": layers, "width": width, "batch": batch, "reps": reps}
 
@@ -285,7 +254,7 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool = False) -> dict[str, Any]:
+def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     if quick:
         res = {
             "memory": memory(layers=4, width=128, batch=64, bucket=20_000),
@@ -301,4 +270,4 @@ def main(quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(main(quick="--quick" in sys.argv)["markdown"])
+    print(result(quick="--quick" in sys.argv)["markdown"])

@@ -31,11 +31,12 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+import _harness as H
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -128,27 +129,12 @@ def measure(
 ) -> dict[str, Any]:
     """``variant`` compiled in a fresh process with XLA's dumps on."""
     with tempfile.TemporaryDirectory() as folder:
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = (
-            env.get("XLA_FLAGS", "") + f" --xla_dump_to={folder} --xla_gpu_dump_llvmir"
-        ).strip()
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--one",
-            variant,
-            "--layers",
-            str(layers),
-            "--width",
-            str(width),
-            "--dp",
-            str(dp),
-        ]
-        if not hold:
-            cmd.append("--no-hold")
-        if clip:
-            cmd += ["--clip", str(clip)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={folder} --xla_gpu_dump_llvmir"
+        cmd = [os.path.abspath(__file__), "--one", variant, "--layers", str(layers)]
+        cmd += ["--width", str(width), "--dp", str(dp)]
+        cmd += [] if hold else ["--no-hold"]
+        cmd += ["--clip", str(clip)] if clip else []
+        out = H.python(cmd, {"XLA_FLAGS": flags.strip()}, check=False)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode or not line:
             raise SystemExit(f"gpu_kernels: {variant} failed:\n{out.stderr[-3000:]}")

@@ -26,9 +26,11 @@ SECTIONS = (
 
 
 def _load_bench(name):
-    """``bench/<name>.py`` as a module, without putting ``bench/`` on ``sys.path``."""
+    """``bench/<name>.py`` as a module (``bench/`` on ``sys.path`` for its ``_harness``)."""
     import importlib.util
 
+    if f"{ROOT}/bench" not in sys.path:
+        sys.path.append(f"{ROOT}/bench")
     spec = importlib.util.spec_from_file_location(name, f"{ROOT}/bench/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -90,10 +92,10 @@ def test_bench_gpu_tiny_writes_its_section(tmp_path):
 
 def test_only_one_section_is_replaced():
     """``run_all.py --only compile`` measures section 7 alone and splices it into the existing
-    file (``bench/_sections.py``; its docstring is the example, run here)."""
+    file (``bench/_harness.py``'s ``splice_section``; its docstring is the example, run here)."""
     import doctest
 
-    result = doctest.testmod(_load_bench("_sections"))
+    result = doctest.testmod(_load_bench("_harness"))
     assert result.attempted >= 3 and result.failed == 0
 
 
