@@ -22,7 +22,6 @@ import collections
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from typing import Any
@@ -31,6 +30,7 @@ import jax
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H
 import bench_fusion
 import bench_gpu
 
@@ -73,23 +73,21 @@ def variant(width: int, depth: int, rows: int, options: str, fuse: bool) -> dict
     backends = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
     backends.update(re.findall(r'"kind":"(__triton\w*)"', text))
     mem = compiled.memory_analysis()
-    for _ in range(3):
-        state, _ = dp.step(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            state, _ = dp.step(state, batch)
-        jax.block_until_ready(state)
-        times.append((time.perf_counter() - t0) / 5)
-    busy, state, kernels = bench_gpu.busy_ms(dp.step, state, batch, n=3)
+    box = [state]
+
+    def steps(k: int) -> Any:
+        for _ in range(k):
+            box[0], _ = dp.step(box[0], batch)
+        return jax.block_until_ready(box[0])
+
+    ms = 1e3 * H.median_time(steps, 7, inner=5, warmup=3)
+    busy, state, kernels = bench_gpu.busy_ms(dp.step, box[0], batch, n=3)
     top = list(kernels.items())[:14]
     return {
         "rows": rows,
         "options": options,
         "fused": fuse,
-        "ms": 1e3 * statistics.median(times),
+        "ms": ms,
         "compile_s": round(compile_s, 2),
         "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2**30,
         "backends": dict(backends),
