@@ -32,42 +32,13 @@ import time
 from collections import Counter
 from typing import Any
 
-import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _models import BF16, dense_mlp_problem
 
 from jaxdp import DataParallel, DDPConfig, nn
-
-BF16 = jnp.bfloat16
-
-
-class MLP(linen.Module):
-    width: int
-    depth: int
-
-    @linen.compact
-    def __call__(self, x):
-        for i in range(self.depth):
-            x = jax.nn.relu(nn.Dense(self.width, dtype=BF16, name=f"dense_{i}")(x))
-        return x
-
-
-def _mlp_problem(width: int, depth: int, batch: int):
-    model = MLP(width, depth)
-    params = model.init(jax.random.key(0), jnp.ones((1, width)))["params"]
-    rng = np.random.default_rng(0)
-    data = {
-        "x": rng.standard_normal((batch, width)).astype(np.float32),
-        "y": rng.standard_normal((batch, width)).astype(np.float32),
-    }
-
-    def loss_fn(p, b):
-        pred = model.apply({"params": p}, b["x"].astype(BF16)).astype(jnp.float32)
-        return jnp.mean((pred - b["y"]) ** 2)
-
-    return loss_fn, params, data
 
 
 # ---------------------------------------------------------------- 1. numerics
@@ -117,7 +88,7 @@ def step_times(
     inner: int,
     dump: str | None = None,
 ) -> list[dict[str, Any]]:
-    loss_fn, params, data = _mlp_problem(width, depth, batch)
+    loss_fn, params, data = dense_mlp_problem(width, depth, batch)
     variants = []
     for stage in stages:
         for fuse in (False, True):
@@ -230,7 +201,7 @@ def h100(width: int, depth: int, batch: int, g: int) -> dict[str, Any]:
     mesh, why = H.h100_mesh(8)
     if mesh is None:
         return {"skipped": why}
-    loss_fn, params, data = _mlp_problem(width, depth, batch)
+    loss_fn, params, data = dense_mlp_problem(width, depth, batch)
     out: dict[str, Any] = {}
     for fuse in (False, True):
         cfg = DDPConfig(

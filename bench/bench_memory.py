@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from bench_step import MLP, make_loss
+from _models import MLP, mse_loss
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -124,7 +124,7 @@ def measure_one(
     cfg = jaxdp.DDPConfig(
         zero_stage=stage, num_microbatches=g, param_dtype=param_dtype, bucket_size=bucket_size
     )
-    dp = jaxdp.DataParallel(make_loss(model), optax.adam(1e-3), cfg)
+    dp = jaxdp.DataParallel(mse_loss(model), optax.adam(1e-3), cfg)
     batch = abstract_batch(dp.mesh)
     shapes = jax.eval_shape(dp.init, params)  # carries no shardings ...
     with warnings.catch_warnings():  # ... so this probe cannot use the donated buffers

@@ -34,12 +34,11 @@ from typing import Any
 
 import _harness as H
 import jax
-import jax.numpy as jnp
 import optax
+from _models import gpt_problem
 
 from jaxdp import DataParallel, DDPConfig, aot
 from jaxdp._src.config.config import REMAT_POLICIES
-from jaxdp.models import GPT, GPTConfig, next_byte_loss
 
 N = 8
 MIB = H.MIB
@@ -267,29 +266,6 @@ def mlp_problem(quick: bool) -> tuple[Any, Any, Any, dict[str, Any]]:
     return loss_fn, params, data, {"what": what, "bucket_size": 20_000 if quick else 1_000_000}
 
 
-def gpt_problem(quick: bool, g: int) -> tuple[Any, Any, Any, dict[str, Any]]:
-    cfg = (
-        GPTConfig(layers=2, width=128, heads=2, context=64)
-        if quick
-        else GPTConfig(layers=12, width=832, heads=13, context=512)
-    )
-    model = GPT(cfg)
-    params = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
-    )
-    per_device = 2 if quick else 8  # sequences per device and micro-batch, whatever G
-    batch = {"tokens": jax.ShapeDtypeStruct((N * per_device * g, cfg.context + 1), jnp.int32)}
-
-    def loss_fn(p: Any, b: Any) -> jax.Array:
-        return next_byte_loss(model, p, b)
-
-    what = (
-        f"GPT (`jaxdp.models.GPT`) of {cfg.layers} layers x width {cfg.width}, {cfg.heads} heads, "
-        f"context {cfg.context}, {per_device} sequences per device and micro-batch"
-    )
-    return loss_fn, params, batch, {"what": what, "bucket_size": "auto"}
-
-
 def _peer(loss_fn: Any, params: Any, batch: Any, g: int, mesh: Any, psi: int) -> dict[str, Any]:
     from bench_zero3 import compile_peer
 
@@ -304,7 +280,7 @@ def run(model: str, quick: bool = False, gs: tuple[int, ...] = (1, 4)) -> dict[s
         if model == "mlp":
             loss_fn, params, batch, info = mlp_problem(quick)
         else:
-            loss_fn, params, batch, info = gpt_problem(quick, g)
+            loss_fn, params, batch, info = gpt_problem(quick, g, N)
         psi = sum(x.size for x in jax.tree.leaves(params))
         for policy in REMAT_POLICIES:
             cfg = DDPConfig(

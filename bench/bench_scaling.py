@@ -29,6 +29,7 @@ from typing import Any
 import bench_step
 import jax
 import jax.numpy as jnp
+from _models import MLP, mse_loss, regression_data
 
 import jaxdp
 
@@ -43,9 +44,9 @@ def _memory(variant: bench_step.Variant) -> float:
 
 def _variants(width: int, devices: int) -> list[bench_step.Variant]:
     mesh = jaxdp.make_mesh(jax.devices()[:devices])
-    model = bench_step.MLP(width=width, depth=DEPTH)
-    loss_fn = bench_step.make_loss(model)
-    data = bench_step.make_data(PER_DEVICE_BATCH * devices, width=width)
+    model = MLP(width=width, depth=DEPTH)
+    loss_fn = mse_loss(model)
+    data = regression_data(PER_DEVICE_BATCH * devices, width=width)
 
     def fresh() -> Any:
         return model.init(jax.random.key(0), jnp.zeros((1, width)))["params"]

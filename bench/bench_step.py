@@ -40,40 +40,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _models import DEPTH, MLP, OUT, WIDTH, mse_loss, regression_data
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
 
-WIDTH, DEPTH, OUT = 512, 6, 16
 BATCH = 256
 SMALL_BUCKET = 300_000
-
-
-class MLP(nn.Module):
-    width: int = WIDTH
-    depth: int = DEPTH
-    out: int = OUT
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        for i in range(self.depth):
-            x = nn.relu(nn.Dense(self.width, name=f"dense_{i}", param_dtype=self.param_dtype)(x))
-        return nn.Dense(self.out, name="head", param_dtype=self.param_dtype)(x)
-
-
-def make_loss(model: nn.Module) -> Callable[[Any, Any], jax.Array]:
-    def loss_fn(params, batch):
-        pred = model.apply({"params": params}, batch["x"].astype(jax.tree.leaves(params)[0].dtype))
-        return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
-
-    return loss_fn
 
 
 def transposed_loss(params, batch):
@@ -85,14 +63,6 @@ def transposed_loss(params, batch):
     p = params["head"]
     pred = jnp.einsum("bi,oi->bo", x, p["kernel"]) + p["bias"]
     return jnp.mean((pred - batch["y"]) ** 2)
-
-
-def make_data(batch: int = BATCH, width: int = WIDTH, out: int = OUT, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    return {
-        "x": rng.standard_normal((batch, width)).astype(np.float32),
-        "y": rng.standard_normal((batch, out)).astype(np.float32),
-    }
 
 
 def optimizer() -> optax.GradientTransformation:
@@ -198,8 +168,8 @@ def pmean_variant(params, data, loss_fn, mesh) -> Variant:
 
 def build_variants(mesh) -> list[Variant]:
     model = MLP()
-    loss_fn = make_loss(model)
-    data = make_data()
+    loss_fn = mse_loss(model)
+    data = regression_data(BATCH)
     params = model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
 
     def fresh(transpose: bool = False):  # donation consumes the params, so copy them each time
@@ -295,8 +265,8 @@ def single_device(rounds: int, inner: int, warmup: int) -> tuple[str, dict[str, 
     collective partner): separates their compute from the 8-thread rendezvous."""
     mesh = jaxdp.make_mesh(jax.devices()[:1])
     model = MLP()
-    loss_fn = make_loss(model)
-    data = make_data(batch=BATCH // 8)
+    loss_fn = mse_loss(model)
+    data = regression_data(BATCH // 8)
     params = model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
     variants = [
         jaxdp_variant(name, jax.tree.map(jnp.array, params), data, loss_fn, mesh, **cfg)

@@ -47,7 +47,8 @@ from typing import Any
 import _harness as H
 import jax
 import optax
-from bench_remat import _COMP, _INSTR, _split_shape, gpt_problem, traffic
+from _models import gpt_problem
+from bench_remat import _COMP, _INSTR, _split_shape, traffic
 from bench_zero3 import compile_peer
 
 from jaxdp import DataParallel, DDPConfig, aot
@@ -140,7 +141,7 @@ VARIANTS = (
 def run(quick: bool = False, g: int = 1) -> dict[str, Any]:
     """Every peer and variant (``quick``: a small GPT, the sharded peer and stages 0-1 only)."""
     mesh = aot.h100_mesh(N)
-    loss_fn, params, batch, info = gpt_problem(quick, g)
+    loss_fn, params, batch, info = gpt_problem(quick, g, N)
     psi = sum(x.size for x in jax.tree.leaves(params))
     peers: dict[str, dict[str, float]] = {}
     rows = []

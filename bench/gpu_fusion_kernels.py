@@ -31,7 +31,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H
-import bench_fusion
+import _models
 import bench_gpu
 
 from jaxdp import DataParallel, DDPConfig
@@ -55,7 +55,7 @@ def before_prepare(self: Any, k: Any, params: Any, mb0: Any) -> Any:
 
 
 def variant(width: int, depth: int, rows: int, options: str, fuse: bool) -> dict[str, Any]:
-    loss_fn, params, data = bench_fusion._mlp_problem(width, depth, rows * G)
+    loss_fn, params, data = _models.dense_mlp_problem(width, depth, rows * G)
     _kernels.Reduction.prepare = before_prepare if options == "before" else NEW_PREPARE
     cfg = DDPConfig(
         zero_stage=0,
