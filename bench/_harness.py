@@ -29,13 +29,15 @@ MIB = 2.0**20
 # ---------------------------------------------------------------------- processes and devices
 def cpu_devices(n: int = 8) -> dict[str, str]:
     """The environment for ``n`` simulated CPU devices, for ``os.environ.update`` before the
-    first ``import jax`` (empty once jax is imported: its backend keeps what it started with).
+    first ``import jax`` (empty once jax is imported: its backend keeps what it started with;
+    the flag is added once, however many scripts ask).
     Simulated CPU devices by design: any installed GPU plugin (and its start-up errors) is
     skipped unless ``JAX_PLATFORMS`` says otherwise."""
+    flag, flags = f"--xla_force_host_platform_device_count={n}", os.environ.get("XLA_FLAGS", "")
     if "jax" in sys.modules:
         return {}
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    return {"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    flags = flags if flag in flags.split() else f"{flags} {flag}".strip()
+    return {"XLA_FLAGS": flags, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
 
 
 def python(
