@@ -261,3 +261,18 @@ def test_cli_error_is_one_line_in_a_fresh_process(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "jaxdp-train: error: " in r.stderr and "'bogus'" in r.stderr
+
+
+def test_spike_checks_are_counted_in_the_log_and_summary(tmp_path, tiny, capsys):
+    """--set grad_norm_skip_threshold / check_for_large_grads reach the engine; a threshold no
+    step passes skips every step, which the log, the warning and the summary count."""
+    out = str(tmp_path / "s")
+    sets = ["--set", "grad_norm_skip_threshold=1e-9", "--set", "check_for_large_grads=true"]
+    assert main(["--config", tiny, "--out", out, "--steps", "3", *sets]) == 0
+    recs = _losses(out)
+    assert [r["skipped_steps"] for r in recs] == [1, 2, 3]
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["skipped_steps"] == 3
+    printed = capsys.readouterr().out
+    assert "skipped 1 step(s) up to step 1" in printed
+    assert "skipped steps (abnormal gradient)" in printed

@@ -198,6 +198,7 @@ class Trainer:
         losses: list[float] = []
         val: float | None = None
         last_log_t, last_log_step = time.perf_counter(), start
+        spikes = SpikeLog(eng.layout)
         progress = Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
@@ -217,6 +218,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 batch = self.batch(self.corpus.train, t.seed, step)
                 self.state, metrics = eng.step(self.state, batch)
+                spikes.add(metrics)  # on the device: read at the next logged step
                 # Every process gets the same answer at the same step (see _stop.py).
                 stop_signal = agreement.check(step, self.signals.signum)
                 logging = step % t.log_every == 0 or step == t.steps or step == start + 1
@@ -242,6 +244,11 @@ class Trainer:
                         "grad_norm": float(metrics["grad_norm"]),
                         "tokens_per_s": tokens_per_step / step_time,
                     }
+                    warning = spikes.read(step)
+                    if warning and self.lead:
+                        self.console.print(f"[yellow]warning:[/] {warning}")
+                    if spikes.enabled:
+                        rec["skipped_steps"] = spikes.total
                     util = mfu(rec["tokens_per_s"], flops_per_token, dp, kind)
                     if util is not None and step > start + 1:  # not the compiling step
                         rec["mfu"] = util
@@ -329,6 +336,7 @@ class Trainer:
                 tokens_per_step / step_time if step_time else 0.0, flops_per_token, dp, kind
             ),
             "step_time_s": step_time,
+            "skipped_steps": spikes.total if spikes.enabled else None,
             "compile_s": compile_s,
             "wall_s": wall,
             # what the step compiled with beyond XLA_FLAGS (jaxdp.xla_compiler_options on GPUs,
@@ -341,3 +349,39 @@ class Trainer:
         print_summary(self.console, info, sample)
         self._barrier("done")
         return 0
+
+
+class SpikeLog:
+    """Steps the engine skipped for an abnormal gradient (``grad_norm_skip_threshold``,
+    ``check_for_large_grads``): counted on the device, read only at logged steps, so the loop
+    does not wait for every step."""
+
+    def __init__(self, layout: Any):
+        self.layout, self.enabled, self.total = layout, False, 0
+        self._count: Any = None  # skipped steps since the last read (a device scalar)
+        self._bucket: Any = None  # the last bucket over its limit, or -1
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        if "skipped" not in metrics:
+            return
+        self.enabled = True
+        n = metrics["skipped"]
+        self._count = n if self._count is None else self._count + n
+        if "large_grad_bucket" in metrics:
+            b = metrics["large_grad_bucket"]
+            self._bucket = b if self._bucket is None else jnp.where(b >= 0, b, self._bucket)
+
+    def read(self, step: int) -> str | None:
+        """A warning for the steps skipped since the last read, or ``None``."""
+        if self._count is None:
+            return None
+        n, bucket = int(self._count), -1 if self._bucket is None else int(self._bucket)
+        self._count = self._bucket = None
+        if n == 0:
+            return None
+        self.total += n
+        why = "gradient norm over grad_norm_skip_threshold or not finite"
+        if bucket >= 0:
+            paths = ", ".join(self.layout.buckets[bucket].param_paths[:4])
+            why = f"bucket {bucket} ({paths}) over 10x its recent gradient norms"
+        return f"skipped {n} step(s) up to step {step}: {why}; {self.total} skipped in all"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from typing import Any
 
 import yaml
@@ -192,6 +193,10 @@ def load_run_config(path: str | None) -> RunConfig:
     return from_mapping(data, path)
 
 
+#: A number in exponent notation without a dot (``1e-9``), which YAML 1.1 reads as a string.
+_EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
 def apply_set(cfg: RunConfig, assignments: list[str]) -> RunConfig:
     """Apply ``--set key=value`` items: ``model.X``, ``train.X``, ``ddp.X`` or a bare DDPConfig
     field ``X``; values are parsed as YAML (``true``, ``2``, ``1e-3``, ``null``)."""
@@ -207,6 +212,8 @@ def apply_set(cfg: RunConfig, assignments: list[str]) -> RunConfig:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-9 (no dot) as a string
         section, dot, name = key.partition(".")
         if not dot:
             section, name = "ddp", key

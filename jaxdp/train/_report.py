@@ -91,6 +91,12 @@ def summary_table(info: dict[str, Any]) -> Table:
             "- (peak unknown for this device)" if info.get("mfu") is None else f"{info['mfu']:.1%}",
         ),
         ("step time", f"{1000 * info['step_time_s']:.0f} ms"),
+        (
+            "skipped steps (abnormal gradient)",
+            "- (no spike checks)"
+            if info.get("skipped_steps") is None
+            else f"{info['skipped_steps']}",
+        ),
         ("first step (compile)", f"{info['compile_s']:.1f} s"),
         ("wall time", f"{info['wall_s']:.1f} s"),
     ]

@@ -138,6 +138,7 @@ def check_fields(cfg: Any) -> None:
         "calculate_per_token_loss",
         "gradient_accumulation_fusion",
         "overlap_param_gather",
+        "check_for_large_grads",
     ):
         _check_bool(name, getattr(cfg, name))
         object.__setattr__(cfg, name, bool(getattr(cfg, name)))
@@ -160,6 +161,25 @@ def check_fields(cfg: Any) -> None:
                 "pass e.g. clip_grad=1.0, or clip_grad=None to disable",
             )
         object.__setattr__(cfg, "clip_grad", float(cg) if cg > 0 else None)
+
+    st = cfg.grad_norm_skip_threshold
+    if st is not None:
+        if isinstance(st, bool) or not isinstance(st, (int, float, np.integer, np.floating)):
+            raise _err(
+                "grad_norm_skip_threshold",
+                st,
+                "None (off) or a positive float (the largest global gradient norm to apply)",
+                "pass e.g. grad_norm_skip_threshold=100.0",
+                TypeError,
+            )
+        if not math.isfinite(st) or st <= 0:
+            raise _err(
+                "grad_norm_skip_threshold",
+                st,
+                "a positive, finite float (non-finite norms are always skipped when it is set)",
+                "pass e.g. grad_norm_skip_threshold=100.0, or None to turn skipping off",
+            )
+        object.__setattr__(cfg, "grad_norm_skip_threshold", float(st))
 
     m = cfg.num_microbatches
     if isinstance(m, bool) or not isinstance(m, (int, np.integer)):

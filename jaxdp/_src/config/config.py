@@ -189,6 +189,15 @@ class DDPConfig:
             group (floating leaves, summed in fp32; integer leaves such as counters take
             rank 0's value), right for running statistics. ``"broadcast"``: rank 0's state
             (PyTorch DDP's ``broadcast_buffers``).
+        grad_norm_skip_threshold: Megatron's name. When the global gradient norm exceeds it,
+            or is not finite, the step skips its update inside the compiled program: params,
+            master copy, optimizer state, model state and step counter stay bit-unchanged and
+            ``metrics["skipped"]`` is 1 (0 otherwise). ``None`` (default): off.
+        check_for_large_grads: Megatron's name. Each bucket's gradient norm is compared with
+            10x the largest of its last 100 values (kept in ``TrainState.grad_history`` and
+            checkpointed; the check starts once 10 are recorded); a bucket over it skips the
+            step the same way and ``metrics["large_grad_bucket"]`` is its index in
+            ``engine.layout.buckets`` (-1 otherwise).
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -223,6 +232,8 @@ class DDPConfig:
     scan_param_patterns: tuple[tuple[str, int], ...] = ()
     remat_policy: Literal["gemm", "dots", "everything", "nothing"] = "gemm"
     model_state_sync: Literal["mean", "broadcast"] = "mean"
+    grad_norm_skip_threshold: float | None = None
+    check_for_large_grads: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

@@ -42,6 +42,9 @@ class TrainState(NamedTuple):
         rng: the run's typed PRNG key given to ``init(params, rng=...)``, or ``None``. It does
             not change: step ``s`` draws from ``fold_in(rng, s)``, so a restored state continues
             the same key stream.
+        grad_history: with ``check_for_large_grads``, ``(float32[buckets, 100], int32 count)``:
+            the last 100 gradient norms of each bucket (``jaxdp._src.strategy.spikes``),
+            replicated and checkpointed; ``None`` otherwise.
     """
 
     step: jax.Array
@@ -50,3 +53,4 @@ class TrainState(NamedTuple):
     opt_state: Any
     model_state: Any = None
     rng: Any = None
+    grad_history: Any = None

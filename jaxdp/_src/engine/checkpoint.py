@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.state import TrainState
 from ..forms.codec import Owners
+from ..strategy.spikes import history0
 from .engine import DataParallel
 
 __all__ = ["CheckpointManager", "CheckpointMismatchError"]
@@ -154,12 +155,16 @@ class CheckpointManager:
             out["model_state"] = _as_dict(state.model_state)
         if state.rng is not None:
             out["rng"] = jax.random.key_data(state.rng)  # typed keys are stored as their data
+        if state.grad_history is not None:  # check_for_large_grads: per-bucket norms
+            out["grad_history"] = {"norms": state.grad_history[0], "count": state.grad_history[1]}
         return out
 
     def _with_extras(self, abstract: TrainState) -> TrainState:
         """``abstract`` with the engine's (abstract) model state and key."""
         eng = self.engine.abstract_state
-        return abstract._replace(model_state=eng.model_state, rng=eng.rng)
+        return abstract._replace(
+            model_state=eng.model_state, rng=eng.rng, grad_history=eng.grad_history
+        )
 
     def _meta(self, canonical: Any, opt_paths: list[str], rng_impl: str | None) -> dict[str, Any]:
         full = jax.tree_util.tree_leaves(self._strategy.full_params())
@@ -181,6 +186,9 @@ class CheckpointManager:
                 )
             ],
             "rng": rng_impl,
+            "grad_history": None
+            if "grad_history" not in canonical
+            else list(canonical["grad_history"]["norms"].shape),
             "opt_state": [
                 [p, list(x.shape), str(x.dtype)]
                 for p, x in zip(opt_paths, canonical["opt_state"].values(), strict=True)
@@ -359,6 +367,15 @@ class CheckpointManager:
             }
         else:
             canonical.pop("master", None)
+        # The gradient-norm history follows the checkpoint (whatever this engine keeps): read
+        # as saved, kept where its buckets are this layout's, else started afresh.
+        saved_history = meta.get("grad_history")
+        canonical.pop("grad_history", None)
+        if saved_history is not None:
+            canonical["grad_history"] = {
+                "norms": jax.ShapeDtypeStruct(tuple(saved_history), jnp.float32),
+                "count": jax.ShapeDtypeStruct((), jnp.int32),
+            }
         return canonical
 
     def _check_extras(self, meta: dict[str, Any], canonical: dict[str, Any], where: str) -> None:
@@ -409,6 +426,13 @@ class CheckpointManager:
         if "model_state" in c:
             ms_def = jax.tree_util.tree_structure(self.engine.abstract_state.model_state)
             state = state._replace(model_state=_from_dict(c["model_state"], ms_def))
+        want = self.engine.abstract_state.grad_history
+        if want is not None:  # another layout's buckets (or none saved): start afresh
+            saved: Any = c.get("grad_history")
+            history = history0(want[0].shape[0])
+            if saved is not None and saved["norms"].shape == want[0].shape:
+                history = (saved["norms"], saved["count"])
+            state = state._replace(grad_history=history)
         return state, c.get("rng")
 
 

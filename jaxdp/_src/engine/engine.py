@@ -33,6 +33,7 @@ from ..core.loss import LossCall, check_init_inputs, plain_loss
 from ..core.state import TrainState
 from ..layout.layout import BucketLayout
 from ..platform.xla_flags import engine_compiler_options, with_passes_off
+from ..strategy import spikes
 from ..strategy.plan import Plan, build_plan, check_engine_args
 from ..strategy.update import optimizer_update
 from ..topology.group import ReductionGroup
@@ -225,8 +226,12 @@ class DataParallel:
         self.work_params = _working_shapes(params, self.config.param_dtype)
         strategy = self._plan.strategy
 
+        history: Any = spikes.history0(len(self._plan.layout.buckets))
+        if not strategy.spec.check_for_large_grads:
+            history = None
+
         def full(p: Any, ms: Any, key: Any) -> TrainState:
-            return strategy.init_state(p)._replace(model_state=ms, rng=key)
+            return strategy.init_state(p)._replace(model_state=ms, rng=key, grad_history=history)
 
         params = self._replicate_uncommitted(params)
         abstract = jax.eval_shape(full, params, model_state, rng)
@@ -234,11 +239,15 @@ class DataParallel:
         self._shardings = strategy.state_shardings(abstract)._replace(
             model_state=jax.tree.map(lambda _: replicated, abstract.model_state),
             rng=None if rng is None else replicated,
+            grad_history=jax.tree.map(lambda _: replicated, abstract.grad_history),
         )
         self._abstract = abstract
         leaf_plan = per_leaf_plan(strategy, params, self._shardings)
         if leaf_plan is not None:  # one small program per kind of leaf (engine.state_build)
-            return build_state(strategy, leaf_plan, params, self._shardings, model_state, rng)
+            state = build_state(strategy, leaf_plan, params, self._shardings, model_state, rng)
+            if history is None:
+                return state
+            return state._replace(grad_history=jax.device_put(history, replicated))
         return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
 
     def _replicate_uncommitted(self, params: Any) -> Any:
@@ -336,10 +345,24 @@ class DataParallel:
             opt_state=opt_state,
             model_state=model_state,
         )
+        good = None  # where the update is applied (else the input state comes back unchanged)
+        if strategy.spec.checks_spikes:
+            skip, reasons, history = spikes.check(
+                strategy.spec,
+                metrics["grad_norm"],
+                grads,
+                state.grad_history,
+                self.plan.layout.view_leaf_buckets(),
+            )
+            new = new._replace(grad_history=history)
+            metrics.update(reasons)
+            good = ~skip
         if self.config.check_for_nan_in_grad:
             # Skip the update when any rank saw a non-finite gradient: the caller gets the last
             # good state back even though the input was donated.
-            good = ~jnp.any(metrics["nonfinite_ranks"] > 0)
+            finite = ~jnp.any(metrics["nonfinite_ranks"] > 0)
+            good = finite if good is None else good & finite
+        if good is not None:
             new = jax.tree.map(lambda n, o: jnp.where(good, n, o), new, state._replace(rng=None))
         return new._replace(rng=state.rng), metrics
 

@@ -144,6 +144,13 @@ class LayoutViews:
     # along axis 0 of every leaf. "interleaved": a pytree like the params whose leaves are 1-D
     # (globally: the flattened parameter zero-padded to a multiple of dp; locally: piece r).
     # "megatron": a tuple with one 1-D array per bucket (globally: the packed bucket).
+    def view_leaf_buckets(self) -> tuple[int, ...]:
+        """The bucket of each leaf of a params-shaped tree or of a shard view of this layout
+        (megatron views: one leaf per bucket)."""
+        if self.kind == "megatron":
+            return tuple(range(len(self.buckets)))
+        return tuple(s.bucket for s in self.slots)
+
     def _require_sharded(self, what: str) -> None:
         if self.kind == "contiguous":
             raise ValueError(

@@ -348,6 +348,8 @@ def _strategy(
         clip_grad=config.clip_grad,
         model_state_sync=config.model_state_sync,
         fusion=config.gradient_accumulation_fusion,
+        grad_norm_skip_threshold=config.grad_norm_skip_threshold,
+        check_for_large_grads=config.check_for_large_grads,
     )
     # Stages 0-2 divide the gradients through the loss where that gives the same bits (a
     # power of two); stage 3 reduces inside its gathers' transpose and divides there.

@@ -19,6 +19,9 @@ class StepSpec:
         clip_grad: the global-norm clip (``None``: off).
         model_state_sync: how ranks' model states combine: ``"mean"`` or ``"broadcast"``.
         fusion: gradient-accumulation fusion of :mod:`jaxdp.nn` layers.
+        grad_norm_skip_threshold: skip the update above this global norm or a non-finite one
+            (:mod:`jaxdp._src.strategy.spikes`; ``None``: off).
+        check_for_large_grads: skip the update when a bucket's norm jumps (same module).
 
     Example:
         >>> StepSpec(num_microbatches=4).num_microbatches
@@ -30,3 +33,10 @@ class StepSpec:
     clip_grad: float | None = None
     model_state_sync: str = "mean"
     fusion: bool = False
+    grad_norm_skip_threshold: float | None = None
+    check_for_large_grads: bool = False
+
+    @property
+    def checks_spikes(self) -> bool:
+        """Whether the step may skip its update for an abnormal gradient."""
+        return self.grad_norm_skip_threshold is not None or self.check_for_large_grads
