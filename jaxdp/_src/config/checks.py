@@ -42,6 +42,29 @@ def _err(field: str, value: Any, expected: str, fix: str, exc: type[Exception] =
     return exc(f"DDPConfig.{field}: got {value!r}; expected {expected}. Fix: {fix}")
 
 
+def _fnmatch_patterns(cfg: Any, field: str, example: str) -> None:
+    """Validate a tuple of ``fnmatch`` patterns over parameter paths; store it as a tuple."""
+    pats = getattr(cfg, field)
+    if isinstance(pats, str) or not isinstance(pats, (tuple, list)):
+        raise _err(
+            field,
+            pats,
+            "a tuple of fnmatch pattern strings over parameter paths",
+            f"wrap a single pattern in a tuple, e.g. {example}",
+            TypeError,
+        )
+    for p in pats:
+        if not isinstance(p, str) or not p:
+            raise _err(
+                field,
+                pats,
+                "non-empty pattern strings only",
+                f"remove or fix the entry {p!r}",
+                TypeError,
+            )
+    object.__setattr__(cfg, field, tuple(pats))
+
+
 def _scan_patterns(rules: Any) -> tuple[tuple[str, int], ...]:
     """Validate ``scan_param_patterns``: ``((regex, axis), ...)`` or a ``{regex: axis}`` map."""
     field, fix = "scan_param_patterns", "pass e.g. scan_param_patterns=(('layers/', 0),)"
@@ -214,25 +237,7 @@ def check_fields(cfg: Any) -> None:
     if not ax:
         raise _err("data_axis", ax, "a non-empty mesh axis name", "pass e.g. data_axis='data'")
 
-    pats = cfg.own_bucket_param_patterns
-    if isinstance(pats, str) or not isinstance(pats, (tuple, list)):
-        raise _err(
-            "own_bucket_param_patterns",
-            pats,
-            "a tuple of fnmatch pattern strings over parameter paths",
-            "wrap a single pattern in a tuple, e.g. ('*embedding*',)",
-            TypeError,
-        )
-    for p in pats:
-        if not isinstance(p, str) or not p:
-            raise _err(
-                "own_bucket_param_patterns",
-                pats,
-                "non-empty pattern strings only",
-                f"remove or fix the entry {p!r}",
-                TypeError,
-            )
-    object.__setattr__(cfg, "own_bucket_param_patterns", tuple(pats))
+    _fnmatch_patterns(cfg, "own_bucket_param_patterns", "('*embedding*',)")
 
     ea = cfg.expert_axis
     if ea is not None and (not isinstance(ea, str) or not ea):
@@ -251,25 +256,7 @@ def check_fields(cfg: Any) -> None:
             "over data_axis, their expert-data-parallel group)",
             "name the expert axis of the mesh, e.g. expert_axis='expert'",
         )
-    epats = cfg.expert_param_patterns
-    if isinstance(epats, str) or not isinstance(epats, (tuple, list)):
-        raise _err(
-            "expert_param_patterns",
-            epats,
-            "a tuple of fnmatch pattern strings over parameter paths",
-            "wrap a single pattern in a tuple, e.g. ('*/experts/*',)",
-            TypeError,
-        )
-    for p in epats:
-        if not isinstance(p, str) or not p:
-            raise _err(
-                "expert_param_patterns",
-                epats,
-                "non-empty pattern strings only",
-                f"remove or fix the entry {p!r}",
-                TypeError,
-            )
-    object.__setattr__(cfg, "expert_param_patterns", tuple(epats))
+    _fnmatch_patterns(cfg, "expert_param_patterns", "('*/experts/*',)")
     _check_bool("scan_layers", cfg.scan_layers)
     object.__setattr__(cfg, "scan_param_patterns", _scan_patterns(cfg.scan_param_patterns))
 
