@@ -71,7 +71,7 @@ class TrainOptions:
 
 
 #: DDP settings of the main job unless the config says otherwise. ``deterministic_reduction``
-#: makes the losses independent of how devices are split into processes (see the README).
+#: makes the losses independent of how devices are split into processes (docs/numerics.md).
 DDP_DEFAULTS: dict[str, Any] = {"zero_stage": 1, "clip_grad": 1.0, "deterministic_reduction": True}
 
 

@@ -13,7 +13,7 @@ class TrainState(NamedTuple):
     """The training state, a pytree of globally sharded arrays.
 
     What ``params`` and ``master`` look like is the engine's ZeRO strategy's choice
-    (:attr:`jaxdp.DataParallel.plan`; README "Architecture"):
+    (:attr:`jaxdp.DataParallel.plan`; docs/how-a-step-works.md):
 
     Attributes:
         step: number of completed steps (int32 scalar, replicated).

@@ -12,7 +12,7 @@ decided once, in ``init``, by the plan (:mod:`jaxdp._src.strategy.plan`), which 
    (:mod:`jaxdp._src.strategy.update`; sharded at stages >= 1, so each rank updates its shard);
 3. ``strategy.rebuild``: the working params (gathered, cast, or kept sharded).
 
-See README "Architecture" for the whole flow.
+See docs/how-a-step-works.md for the whole flow and CONTRIBUTING.md for where its parts live.
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ class DataParallel:
         config: a :class:`DDPConfig`.
         mesh: a mesh with ``config.data_axis`` (default: :func:`make_mesh` over all devices);
             its axes are used as ``Auto`` axes (see :func:`jaxdp._src.topology.mesh.auto_mesh`).
-            Params
-            keep their shardings over its other axes (tensor parallelism, README "With
-            tensor / expert parallelism"); see ``DDPConfig.expert_axis`` for experts.
+            Params keep their shardings over its other axes (tensor parallelism,
+            docs/parallelism.md); see ``DDPConfig.expert_axis`` for experts.
         donate: donate the input state to the step (saves a copy of params and optimizer
             state; the input state is unusable afterwards).
         compiler_options: XLA options the step compiles with. ``None`` (default): XLA's
@@ -69,7 +68,7 @@ class DataParallel:
             size (the combine thresholds that keep buckets apart, the latency-hiding
             scheduler), less the options ``XLA_FLAGS`` names; nothing on other platforms.
             A dict: exactly those options. Unlike :func:`jaxdp.apply_xla_flags` this works
-            after the backend has started, and only for the step (README "XLA flags"); the
+            after the backend has started, and only for the step (docs/gpu-and-xla-flags.md); the
             step adds the passes its collectives need off (:attr:`step_compiler_options`).
 
     Example:
