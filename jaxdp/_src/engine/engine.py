@@ -325,6 +325,23 @@ class DataParallel:
         grads, metrics, model_state = strategy.local_step(
             self.loss_fn, state.params, batch, call, state.model_state, key
         )
+        good = None  # where the update is applied (else the input state comes back unchanged)
+        history = state.grad_history
+        if strategy.spec.checks_spikes:
+            skip, reasons, history = spikes.check(
+                strategy.spec,
+                metrics["grad_norm"],
+                grads,
+                state.grad_history,
+                self.plan.layout.view_leaf_buckets(),
+            )
+            metrics.update(reasons)
+            good = ~skip
+        if self.config.check_for_nan_in_grad:
+            # Skip the update when any rank saw a non-finite gradient: the caller gets the last
+            # good state back even though the input was donated.
+            finite = ~jnp.any(metrics["nonfinite_ranks"] > 0)
+            good = finite if good is None else good & finite
         target = strategy.target(state)
         if self.donate and strategy.holds_params:  # jaxdp._src.comm.order.hold
             target = hold(target, state.params, metrics["grad_norm"])
@@ -336,34 +353,31 @@ class DataParallel:
             target,
             strategy.spec.clip_grad,
         )
+        step = state.step + 1
+        if good is not None:
+            # Chosen before the params are rebuilt: the working params are the master's cast
+            # (gathered), so an unchanged master rebuilds the same params, and the choice reads
+            # the optimizer's view (a 1/dp shard at stages 1-3), not the whole params.
+            def pick(new: Any, old: Any) -> Any:
+                return jax.tree.map(lambda n, o: jnp.where(good, n, o), new, old)
+
+            new_target, opt_state = pick(new_target, target), pick(opt_state, state.opt_state)
+            model_state, history = (
+                pick(model_state, state.model_state),
+                pick(history, state.grad_history),
+            )
+            step = jnp.where(good, step, state.step)
         params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
         new = TrainState(
-            step=state.step + 1,
+            step=step,
             params=params,
             master=master,
             opt_state=opt_state,
             model_state=model_state,
+            rng=state.rng,
+            grad_history=history,
         )
-        good = None  # where the update is applied (else the input state comes back unchanged)
-        if strategy.spec.checks_spikes:
-            skip, reasons, history = spikes.check(
-                strategy.spec,
-                metrics["grad_norm"],
-                grads,
-                state.grad_history,
-                self.plan.layout.view_leaf_buckets(),
-            )
-            new = new._replace(grad_history=history)
-            metrics.update(reasons)
-            good = ~skip
-        if self.config.check_for_nan_in_grad:
-            # Skip the update when any rank saw a non-finite gradient: the caller gets the last
-            # good state back even though the input was donated.
-            finite = ~jnp.any(metrics["nonfinite_ranks"] > 0)
-            good = finite if good is None else good & finite
-        if good is not None:
-            new = jax.tree.map(lambda n, o: jnp.where(good, n, o), new, state._replace(rng=None))
-        return new._replace(rng=state.rng), metrics
+        return new, metrics
 
     # ------------------------------------------------------------------ export
     def params(self, state: TrainState) -> Any:
