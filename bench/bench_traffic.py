@@ -125,6 +125,9 @@ def _reading(compiled: Any, psi: int) -> dict[str, float]:
 # Megatron's fp32 main-grad path: the weight-gradient GEMMs write fp32 (jaxdp.models.GPT's
 # dense layers are jaxdp.nn's), so no pass casts bf16 gradients up before the reduce-scatter.
 FP32_FUSED = {"grad_reduce_in_fp32": True, "gradient_accumulation_fusion": True}
+# Issue 61's spike checks (Megatron's grad_norm_skip_threshold and check_for_large_grads), both on:
+# what skipping an abnormal step costs a normal one (goal: at most 1% of the step).
+SPIKES = {"grad_norm_skip_threshold": 100.0, "check_for_large_grads": True}
 VARIANTS = (
     ("stage 0", {"zero_stage": 0}, "replicated"),
     ("stage 0, fp32 wire", {"zero_stage": 0, "grad_reduce_in_fp32": True}, "replicated"),
@@ -135,6 +138,9 @@ VARIANTS = (
     ("stage 1, fp32 wire + fusion", {"zero_stage": 1, **FP32_FUSED}, "sharded"),
     ("stage 2, fp32 wire + fusion", {"zero_stage": 2, **FP32_FUSED}, "sharded"),
     ("stage 3", {"zero_stage": 3}, "sharded + remat"),
+    ("stage 0, spike checks", {"zero_stage": 0, **SPIKES}, "replicated"),
+    ("stage 1, spike checks", {"zero_stage": 1, **SPIKES}, "sharded"),
+    ("stage 3, spike checks", {"zero_stage": 3, **SPIKES}, "sharded + remat"),
 )
 
 
@@ -199,7 +205,7 @@ def reading(res: dict[str, Any]) -> str:
     if not res.get("rows"):
         return ""
     rows = {r["program"]: r for r in res["rows"]}
-    ours = [r for r in res["rows"] if "peer" in r]
+    ours = [r for r in res["rows"] if "peer" in r and "spike" not in r["program"]]
     lines = []
     for r in ours:
         goal = 0.25 if not r["program"].startswith("jaxdp stage 3") else 0.0
@@ -235,6 +241,17 @@ def reading(res: dict[str, Any]) -> str:
         )
     if s0 := rows.get("jaxdp stage 0, fp32 wire"):
         text += "\n\n" + H.reading("bench_traffic", "stage0_wire", s0=s0["vs peer"])
+    spikes = [
+        (r["program"][6:].split(",")[0], r["traffic"] - rows[r["program"].split(",")[0]]["traffic"])
+        for r in res["rows"]
+        if "spike" in r["program"] and r["program"].split(",")[0] in rows
+    ]
+    if spikes:
+        text += "\n\n" + H.reading(
+            "bench_traffic",
+            "spikes",
+            costs="; ".join(f"{name} {d:+.2f}" for name, d in spikes),
+        )
     remat = rows.get("GSPMD sharded + remat")
     if s3 and remat and sharded:
         text += "\n\n" + H.reading(
