@@ -16,10 +16,10 @@ from ..zero3.scan import find_stacks
 
 
 def warn_if_undetected(engine: Any, batch: Any) -> None:
-    """First step at stage 3 without an ``example_batch`` at ``init``: warn if stacks exist."""
+    """First step at stage 3 without an ``example_batch`` at ``init``: warn if stacks exist.
+    The engine installs it as its batch guard's first-batch hook only where the plan finds
+    stacks."""
     cfg, layout = engine.config, engine.layout
-    if not engine.plan.finds_stacks:
-        return
     params = jax.tree_util.tree_unflatten(
         layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
     )

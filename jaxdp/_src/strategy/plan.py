@@ -433,15 +433,12 @@ def _strategy(
             **common,
         )
     # stage 3: scanned layer stacks are gathered one layer per scan iteration
-    z3: dict[str, Any] = dict(
-        axis=config.data_axis,
-        policy=remat_policy_for(config.remat_policy),
-        # accs: one per parameter where the ops reduce per parameter (not on a tensor-parallel
-        # mesh, whose nested regions keep bucket accumulators)
-        per_slot=isinstance(common["ops"], PerParamOps),
-    )
+    z3: dict[str, Any] = dict(axis=config.data_axis, policy=remat_policy_for(config.remat_policy))
     if layout.stacked:  # each layer's slices are laid out by the layout's own rules
         z3["rules"] = rules_of(config, layout.dp_size)
+    else:  # accs: one per parameter where the ops reduce per parameter (not on a
+        # tensor-parallel mesh, whose nested regions keep bucket accumulators)
+        z3["per_slot"] = isinstance(common["ops"], PerParamOps)
     vg: Callable[..., Any] = functools.partial(
         zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad, **z3
     )

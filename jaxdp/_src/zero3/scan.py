@@ -146,13 +146,12 @@ def zero3_scan_value_and_grad(
     rules: LayoutRules,
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
-    per_slot: bool = False,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """:func:`jaxdp._src.zero3.gather.zero3_value_and_grad` for a layout with per-layer stacks.
 
     ``rules``: the layout's (:class:`jaxdp.BucketLayout` is built from them; each layer's
-    slices are laid out by them, one bucket per buffer). ``per_slot`` is unused: stacks keep
-    one accumulator per bucket.
+    slices are laid out by them, one bucket per buffer). Stacks keep one accumulator per
+    bucket.
 
     Same protocol: ``vg(accs, flags, shards, mb) -> ((loss, aux), (d_accs, d_flags))`` with one
     entry per bucket (``accs``/``flags`` of stack buckets are ignored; each shard is left to be
@@ -162,7 +161,7 @@ def zero3_scan_value_and_grad(
     whole params only (the plan gives it no ``place``: stacks are not detected on
     tensor-parallel meshes).
     """
-    del place, per_slot
+    del place
     g, deferred, dp = num_microbatches, num_microbatches > 1, layout.dp_size
     acc_dt = wire.accumulate
     stacked = dict(layout.stacked)
