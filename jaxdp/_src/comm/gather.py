@@ -18,10 +18,25 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from ..layout.layout import BucketLayout
 from .order import after
 
-__all__ = ["SCHEDULING_GROUP_BASE", "gather_buckets", "gather_full"]
+__all__ = ["SCHEDULING_GROUP_BASE", "gather_buckets", "gather_full", "gather_levels"]
 
 #: First XLA ``_scheduling_group_id`` of the end-of-step parameter gathers (one per bucket).
 SCHEDULING_GROUP_BASE = 1_000_000
+
+
+def gather_levels(x: jax.Array, axis: Any, *, invarying: bool = True) -> jax.Array:
+    """Tiled ``all_gather`` of ``x`` over ``axis``. A tuple of axes (major first, e.g. a
+    hierarchical shard's ``(inner, outer)``) is gathered one axis at a time, the minor one
+    first, the same result as one gather over the tuple, but no collective spans every rank:
+    the instances' level (small, across nodes) and then the instance's (over its fast
+    links)."""
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    for a in reversed(axes):
+        if invarying:
+            x = jax.lax.all_gather(x, a, tiled=True, to="invarying")
+        else:
+            x = jax.lax.all_gather(x, a, tiled=True)
+    return x
 
 
 def gather_buckets(shards: Any, layout: BucketLayout, axis: str, last: Any = None) -> Any:
@@ -43,16 +58,16 @@ def gather_buckets(shards: Any, layout: BucketLayout, axis: str, last: Any = Non
     # A dependency between buffers of params split over different tensor-parallel axes would
     # make one vary over the other's axes: those are gathered unordered, as at the start.
     if last is None or len({buf.shard_axes for buf in layout.buffers}) > 1:
-        full = tuple(jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards)
+        full = tuple(gather_levels(x, axis) for x in shards)
         return layout.unpack(full)
     n = len(layout.buckets)
-    gathered = [jax.lax.all_gather(after(shards[0], last), axis, tiled=True, to="invarying")]
+    gathered = [gather_levels(after(shards[0], last), axis)]
     leaves: list[Any] = [None] * len(layout.slots)
     for k, b in enumerate(layout.buckets):
         with set_xla_metadata(_scheduling_group_id=str(SCHEDULING_GROUP_BASE + k)):
             if k + 1 < n:
                 nxt = after(shards[k + 1], gathered[k])
-                gathered.append(jax.lax.all_gather(nxt, axis, tiled=True, to="invarying"))
+                gathered.append(gather_levels(nxt, axis))
             for i, leaf in zip(b.slots, layout.unpack_bucket(b, gathered[k]), strict=True):
                 leaves[i] = leaf
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)

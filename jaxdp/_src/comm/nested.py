@@ -37,6 +37,7 @@ from .reduce import (
     divided,
     float_for_sum,
     metric_sum,
+    outer_reduce,
     reduce_one,
     then,
 )
@@ -86,6 +87,13 @@ class PlainOps:
     ):
         self.layout, self.wire, self.group, self.plan = layout, wire, group, plan
         self.axis = group.axes
+        # The ZeRO shards' axes, and (hierarchical groups) the instances' axis: the reduce
+        # within an instance leaves each rank ``chunk`` shards, combined across instances once
+        # per step (outer).
+        self.shard_axes = group.shard_axes
+        self.outer_axis, self.outer_n = group.outer_axis, group.outer_size
+        self.chunk, self.shard_outer = group.outer_chunk, group.shard_outer
+        self.levels = group.levels  # stage 3's gathers transpose into it
         self.groups = group.bucket_groups(layout)
         # > 1: the kernel divides the loss by it, so the gradients arrive divided by G x dp
         # already (jaxdp._src.strategy.loss_divisor); the reductions only sum them
@@ -139,9 +147,28 @@ class PlainOps:
         """Sum a per-rank value over the group (ordered with ``deterministic_reduction``)."""
         return metric_sum(x, self.axis, self.wire.ordered_metrics)
 
+    def shard_sum(self, x: jax.Array) -> jax.Array:
+        """Sum a per-shard value over the ranks holding distinct shards (the group, or with
+        a hierarchical group whose instances hold the same shards, one instance)."""
+        return metric_sum(x, self.shard_axes, self.wire.ordered_metrics)
+
     def numels(self, sharded: bool) -> list[int]:
-        """Elements of each accumulator: a bucket (``sharded``: its shard)."""
-        return [b.shard_numel if sharded else b.numel for b in self.layout.buckets]
+        """Elements of each accumulator: a bucket (``sharded``: what the reduction within the
+        group leaves a rank, its shard, or with ``outer_dp_sharding_strategy="optim"`` the
+        ``chunk`` shards of its instance's level)."""
+        return [b.shard_numel * self.chunk if sharded else b.numel for b in self.layout.buckets]
+
+    def outer(self, red: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """The instances' reduced shards combined, once per step (hierarchical groups; the
+        identity otherwise): :func:`jaxdp._src.comm.reduce.outer_reduce` per array."""
+        if self.outer_axis is None or self.outer_n == 1:
+            return tuple(red)
+        return tuple(
+            outer_reduce(
+                r, self.outer_axis, self.outer_n, self.wire, b.grad_dtype, self.shard_outer
+            )
+            for r, b in zip(red, self.reduce_buckets, strict=True)
+        )
 
     def per_array(self, per_bucket: Sequence[Any]) -> tuple[Any, ...]:
         """A value given per bucket (e.g. a divisor), for each accumulator of :meth:`numels`."""
@@ -186,6 +213,7 @@ class PlainOps:
                 axis=grp.axes,
                 dp=grp.size,
                 prescaled=self.divided,
+                outer=grp.outer,
             )
             out.append(red)
         return tuple(out)
@@ -194,7 +222,9 @@ class PlainOps:
         """What each array :meth:`reduce_microbatch` returns is left to be divided by, once, at
         the end (:func:`jaxdp._src.comm.reduce.finish_deferred`): static, one per array."""
         return tuple(
-            deferred_divisor(b, self.layout, self.wire, g, dp=grp.size, prescaled=self.divided)
+            deferred_divisor(
+                b, self.layout, self.wire, g, dp=grp.size, prescaled=self.divided, outer=grp.outer
+            )
             for b, grp in zip(self.reduce_buckets, self.reduce_groups, strict=True)
         )
 
@@ -217,7 +247,7 @@ class PlainOps:
 
     def gather_full(self, view: Any) -> Any:
         """This rank's shard view -> the full working params (``overlap_param_gather``)."""
-        return gather_full(view, self.layout, self.axis)
+        return gather_full(view, self.layout, self.shard_axes)
 
     def gather_end(self, view: Any, axis: Any, last: Any) -> Any:
         """The end-of-step gather (stages 1-2): this device's shard view -> its full params,

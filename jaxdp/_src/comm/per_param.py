@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..layout.layout import BucketLayout
+from .gather import gather_levels
 from .nested import PlainOps
 
 __all__ = [
@@ -177,7 +178,7 @@ class PerParamOps(_PerParameter):
     interleaved view, and each shard gathered back, on its own."""
 
     def numels(self, sharded: bool) -> list[int]:
-        dp = 1 if sharded else self.layout.dp_size
+        dp = self.chunk if sharded else self.layout.dp_size
         return [(s.end - s.start) * dp for s in self.layout.slots]
 
     def pack(self, grads: Any, dtype: Any) -> tuple[jax.Array, ...]:
@@ -192,7 +193,7 @@ class PerParamOps(_PerParameter):
         return [x.astype(b.dtype) for x, b in zip(leaves, self.reduce_buckets, strict=True)]
 
     def gather_full(self, view: Any) -> Any:
-        return gather_leaves(self._working(view), self.layout, self.axis)
+        return gather_leaves(self._working(view), self.layout, self.shard_axes)
 
     def gather_end(self, view: Any, axis: Any, last: Any) -> Any:
         # Unordered on every platform (``last``, the gradient norm, is not waited for): each
@@ -213,5 +214,5 @@ def gather_leaves(shards: Sequence[Any], layout: BucketLayout, axis: Any) -> Any
     per parameter, XLA scheduling groups) saved no memory (compile-only GPUs, the 100.7M GPT
     of BENCHMARKS section 11, bf16 params: the same peak per device with or without them)
     and cost XLA:GPU a good part of that GPT's stage 1-2 compile (BENCHMARKS section 7)."""
-    gathered = [jax.lax.all_gather(x, axis, tiled=True, to="invarying") for x in shards]
+    gathered = [gather_levels(x, axis) for x in shards]
     return layout.from_global_view(gathered)

@@ -31,6 +31,7 @@ __all__ = [
     "float_for_sum",
     "metric_sum",
     "ordered_reduce_scatter",
+    "outer_reduce",
     "ordered_sum",
     "reduce_one",
     "ring_reduce_scatter",
@@ -218,6 +219,7 @@ def deferred_divisor(
     *,
     dp: int | None = None,
     prescaled: bool = False,
+    outer: int = 1,
 ) -> int:
     """What :func:`reduce_one` with ``deferred=True`` leaves for the caller to divide by, once,
     after the micro-batches' shards are summed (:func:`finish_deferred`): a static int, known
@@ -237,7 +239,7 @@ def deferred_divisor(
     dp = layout.dp_size if dp is None else dp
     per_token = wire.per_token or prescaled
     g_div = 1 if per_token else num_microbatches
-    dp_div = 1 if per_token else dp
+    dp_div = 1 if per_token else dp * outer
     if wire.all_to_all or jnp.dtype(b.grad_dtype).itemsize >= 4:
         return g_div * dp_div  # the fp32 sum, divided once at the end
     # A low-precision wire: pre-scaled before the wire, except by a power of two that the
@@ -258,6 +260,7 @@ def reduce_one(
     axis: Any,
     dp: int | None = None,
     prescaled: bool = False,
+    outer: int = 1,
 ) -> tuple[jax.Array, int]:
     """One bucket's collective. Every scaling is done in fp32 (or wider) before any rounding.
 
@@ -268,6 +271,9 @@ def reduce_one(
     (:class:`jaxdp._src.topology.group.BucketGroup`); ``wire`` says how it reduces.
     ``prescaled``: ``x`` is already divided by ``G x dp`` (the loss was,
     :mod:`jaxdp._src.strategy.loss_divisor`); the collective sums it and divides by nothing.
+    ``outer``: the number of instances whose results the caller sums afterwards
+    (hierarchical groups, :class:`jaxdp._src.topology.group.BucketGroup`): the mean divides
+    by ``dp * outer`` here, the outer sum divides by nothing.
 
     Returns ``(reduced, divisor)``. With ``deferred=False`` the result is final (``divisor`` is
     1). With ``deferred=True`` (stage 2: ``x`` is one micro-batch's gradient and the caller adds
@@ -284,8 +290,12 @@ def reduce_one(
     # Prescaled: the loss carried the divisor (its power of two commutes with every rounding).
     per_token = wire.per_token or prescaled
     g_div = 1 if per_token else g
-    dp_div = 1 if per_token else dp
-    left = deferred_divisor(b, layout, wire, g, dp=dp, prescaled=prescaled) if deferred else 1
+    dp_div = 1 if per_token else dp * outer
+    left = (
+        deferred_divisor(b, layout, wire, g, dp=dp, prescaled=prescaled, outer=outer)
+        if deferred
+        else 1
+    )
 
     if wire.all_to_all:
         # all_to_all on the wire, then a local sum in fp32. The 1/G of micro-batch accumulation
@@ -342,8 +352,35 @@ def reduce_one(
     x = _apply(x, lambda v: divided(v, pre, acc).astype(wdt))
     out = jax.lax.psum(x, axis) if not scatter else _psum_scatter(x, axis)
     if avg:
-        out = divided(out, dp, acc).astype(wdt)
+        out = divided(out, dp * outer, acc).astype(wdt)
     return out, 1
+
+
+def outer_reduce(
+    x: jax.Array, axis: str, n: int, wire: Wire, wire_dtype: Any, scatter: bool
+) -> jax.Array:
+    """Combine the instances' reduced shards (hierarchical data parallelism), once per step:
+    ``x`` is this rank's shard of its instance's mean (every division already done,
+    :func:`reduce_one` with ``outer``), summed over the ``n`` ranks of ``axis`` (the outer
+    axis). ``scatter``: a tiled reduce-scatter (``outer_dp_sharding_strategy="optim"``), else
+    an all-reduce. The wire carries ``wire_dtype`` (the bucket's gradient dtype: fp32 with
+    ``grad_reduce_in_fp32``, so both levels sum in fp32); with :attr:`Wire.all_to_all`
+    (``reduce_scatter_with_fp32_accumulation``, ``deterministic_reduction``) the values
+    travel in ``wire_dtype`` and are summed locally in fp32, in rank order, as within the
+    instance. Returns ``x``'s dtype.
+    """
+    if n == 1:
+        return x
+    wdt = jnp.dtype(wire_dtype)
+    acc = float_for_sum(wdt)
+    sent = x.astype(wdt)
+    if wire.all_to_all:
+        if scatter:
+            return ordered_reduce_scatter(sent, axis, n, acc).astype(x.dtype)
+        every = _all_gather_invariant(sent, axis, tiled=False)
+        return jnp.sum(every.astype(acc), axis=0).astype(x.dtype)
+    out = _psum_scatter(sent, axis) if scatter else jax.lax.psum(sent, axis)
+    return out.astype(x.dtype)
 
 
 def finish_deferred(acc: Sequence[jax.Array], divisors: Sequence[int]) -> tuple[jax.Array, ...]:

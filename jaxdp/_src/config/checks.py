@@ -27,6 +27,8 @@ _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 REMAT_POLICIES: Final = ("gemm", "dots", "everything", "nothing")
 #: Values of ``DDPConfig.model_state_sync``.
 MODEL_STATE_SYNC: Final = ("mean", "broadcast")
+#: ``DDPConfig.outer_dp_sharding_strategy``'s values.
+OUTER_STRATEGIES: Final = ("no_shard", "optim")
 
 
 def _did_you_mean(unknown: list[Any], names: list[str]) -> str:
@@ -283,6 +285,25 @@ def check_fields(cfg: Any) -> None:
         "how the ranks combine the model_state each step",
         "use 'mean' (running statistics, the default) or 'broadcast' (rank 0's)",
     )
+    n = cfg.num_distributed_optimizer_instances
+    not_int = isinstance(n, bool) or not isinstance(n, (int, np.integer))
+    if not_int or n < 1:
+        raise _err(
+            "num_distributed_optimizer_instances",
+            n,
+            "an int >= 1 (the number of instances the data ranks form; 1 = flat)",
+            "pass e.g. num_distributed_optimizer_instances=2 (one per node)",
+            TypeError if not_int else ValueError,
+        )
+    object.__setattr__(cfg, "num_distributed_optimizer_instances", int(n))
+    _check_choice(
+        "outer_dp_sharding_strategy",
+        cfg.outer_dp_sharding_strategy,
+        OUTER_STRATEGIES,
+        "what is sharded across instances",
+        "use 'no_shard' (optimizer replicated across instances, the default) or 'optim' "
+        "(optimizer sharded across instances too)",
+    )
 
 
 def _check_choice(field: str, value: Any, choices: tuple[str, ...], what: str, fix: str) -> None:
@@ -368,10 +389,35 @@ def check_combinations(cfg: Any) -> None:
             "an expert_axis to split the matching params over",
             "set expert_axis='expert' (the mesh axis of expert parallelism)",
         )
+    if cfg.num_distributed_optimizer_instances > 1:
+        _check_hierarchical(cfg)
     if cfg.pad_buckets_for_high_nccl_busbw and cfg.zero_stage == 0:
         raise _err(
             "pad_buckets_for_high_nccl_busbw",
             True,
             "a distributed optimizer (zero_stage >= 1); stage-0 buckets are not padded",
             "set zero_stage >= 1 or drop pad_buckets_for_high_nccl_busbw",
+        )
+
+
+def _check_hierarchical(cfg: Any) -> None:
+    """``num_distributed_optimizer_instances > 1`` against the other fields (the mesh is
+    checked when the engine is built: dp must be a multiple of it)."""
+    n = cfg.num_distributed_optimizer_instances
+    if cfg.zero_stage == 0:
+        raise _err(
+            "num_distributed_optimizer_instances",
+            n,
+            "a distributed optimizer (zero_stage >= 1): instances shard the optimizer within "
+            "themselves; a stage-0 all-reduce has nothing to shard",
+            "set zero_stage=1 (the same bytes as a hierarchical all-reduce, and the "
+            "optimizer state sharded within each instance), or drop the field",
+        )
+    if cfg.expert_axis is not None:
+        raise _err(
+            "num_distributed_optimizer_instances",
+            n,
+            "no expert_axis: hierarchical data parallelism with expert parallelism is not "
+            "implemented",
+            "drop expert_axis, or use num_distributed_optimizer_instances=1",
         )

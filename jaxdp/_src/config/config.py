@@ -198,6 +198,21 @@ class DDPConfig:
             checkpointed; the check starts once 10 are recorded); a bucket over it skips the
             step the same way and ``metrics["large_grad_bucket"]`` is its index in
             ``engine.layout.buckets`` (-1 otherwise).
+        num_distributed_optimizer_instances: Megatron's name. ``N > 1`` splits the ``dp``
+            data ranks into ``N`` instances of ``dp / N`` consecutive devices (in
+            ``jax.devices()`` order: one host's devices together), hierarchical data
+            parallelism: each bucket is reduce-scattered within its instance (over the fast
+            intra-node links, every micro-batch where the stage does so) and the instance's
+            shard is combined across instances once per step, after the last micro-batch
+            (over the slow inter-node links, ``1 / (dp / N)`` of the bytes). The engine's
+            mesh becomes ``(data_axis + "_outer", data_axis + "_inner")``; a ``loss_fn``
+            collective over the whole group names both axes. Stages 1-3 (stage 0 is an
+            error: use stage 1, the same communication). Default 1: flat.
+        outer_dp_sharding_strategy: Megatron's name, with ``N > 1``: ``"no_shard"``
+            (default, HSDP) all-reduces the instance's shard across instances, so the master
+            weights and optimizer state are sharded ``dp / N`` ways and replicated across
+            instances; ``"optim"`` reduce-scatters it instead and shards them ``dp`` ways
+            (1/dp per device), all-gathering the updated shard back across instances.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -234,6 +249,8 @@ class DDPConfig:
     model_state_sync: Literal["mean", "broadcast"] = "mean"
     grad_norm_skip_threshold: float | None = None
     check_for_large_grads: bool = False
+    num_distributed_optimizer_instances: int = 1
+    outer_dp_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -257,6 +274,12 @@ class DDPConfig:
         """Whether the working params are sharded between steps (``zero_stage=3`` or
         ``overlap_param_gather``)."""
         return self.zero_stage == 3 or self.overlap_param_gather
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the data ranks form several distributed-optimizer instances
+        (``num_distributed_optimizer_instances > 1``)."""
+        return self.num_distributed_optimizer_instances > 1
 
     def resolve_bucket_size(self, dp_size: int) -> int | None:
         """The bucket size in elements for ``dp_size`` ranks (``None`` = one bucket per buffer).

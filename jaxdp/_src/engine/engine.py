@@ -37,7 +37,7 @@ from ..strategy import spikes
 from ..strategy.plan import Plan, build_plan, check_engine_args
 from ..strategy.update import optimizer_update
 from ..topology.group import ReductionGroup
-from ..topology.mesh import auto_mesh, make_mesh
+from ..topology.mesh import auto_mesh, instance_axes, instance_mesh, make_mesh
 from .state_build import build_state, per_leaf_plan
 from .step import BatchGuard, Step, warn_if_undetected
 
@@ -98,9 +98,7 @@ class DataParallel:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
-        check_mesh(mesh, config.data_axis, config.expert_axis)
-        self.mesh = auto_mesh(make_mesh(mesh, axis=config.data_axis))
-        self.group = ReductionGroup(self.mesh, config.data_axis, config.expert_axis)
+        self.mesh, self.group = _mesh_and_group(mesh, config)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
         first = self.mesh.devices.flat[0]
@@ -403,6 +401,31 @@ class DataParallel:
                 "jaxdp.TrainState returned by init / step."
             )
         return state.model_state
+
+
+def _mesh_and_group(mesh: Any, config: DDPConfig) -> tuple[Mesh, ReductionGroup]:
+    """The engine's mesh and reduction group. With ``num_distributed_optimizer_instances``
+    ``N > 1`` the 1-D data mesh is regrouped into ``N`` instances of consecutive devices
+    (:func:`jaxdp._src.topology.mesh.instance_mesh`); a mesh that already has the two axes
+    (e.g. another hierarchical engine's) is used as it is."""
+    n = config.num_distributed_optimizer_instances
+    outer, inner = instance_axes(config.data_axis)
+    if n > 1 and isinstance(mesh, Mesh) and tuple(mesh.axis_names) == (outer, inner):
+        if int(mesh.shape[outer]) != n:
+            raise ValueError(
+                f"DataParallel: the mesh has {int(mesh.shape[outer])} instances along "
+                f"{outer!r}; DDPConfig.num_distributed_optimizer_instances={n}. Fix: pass "
+                "a 1-D mesh (the engine groups it) or make the two agree."
+            )
+        hmesh = auto_mesh(mesh)
+    else:
+        check_mesh(mesh, config.data_axis, config.expert_axis)
+        flat = auto_mesh(make_mesh(mesh, axis=config.data_axis))
+        if n == 1:
+            return flat, ReductionGroup(flat, config.data_axis, config.expert_axis)
+        hmesh = instance_mesh(flat, config.data_axis, n)
+    optim = config.outer_dp_sharding_strategy == "optim"
+    return hmesh, ReductionGroup(hmesh, inner, None, outer_axis=outer, shard_outer=optim)
 
 
 def check_mesh(mesh: Any, data_axis: str, expert_axis: str | None) -> None:

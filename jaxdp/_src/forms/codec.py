@@ -69,9 +69,11 @@ class Codec:
     """Params-shaped pytree <-> one view of it (module docstring). Subclasses define
     :meth:`to_view`, :meth:`from_view`, the per-leaf conversions and specs."""
 
-    def __init__(self, layout: BucketLayout, sharding: ShardingPlan):
+    def __init__(self, layout: BucketLayout, sharding: ShardingPlan, axis: Any = None):
         self.layout, self.sharding = layout, sharding
-        self.axis = sharding.data_axis
+        # the axis (or axes, major first) a view is sharded over: the data axis, or a
+        # hierarchical group's shard axes (jaxdp._src.topology.group.ReductionGroup.shard_axes)
+        self.axis = sharding.data_axis if axis is None else axis
         dummy = jax.tree_util.tree_unflatten(layout.treedef, list(range(len(layout.slots))))
         self.key_paths = [tuple(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
@@ -278,8 +280,8 @@ class BlockCodec(Codec):
     """Params split over tensor-parallel axes: ``[blocks, padded block]`` sharded
     ``P(model axes, data_axis)``; unsplit params as :class:`InterleavedCodec`."""
 
-    def __init__(self, layout: BucketLayout, sharding: ShardingPlan):
-        super().__init__(layout, sharding)
+    def __init__(self, layout: BucketLayout, sharding: ShardingPlan, axis: Any = None):
+        super().__init__(layout, sharding, axis)
         # The plan computes these for every leaf at once: ask it once, not per leaf.
         self._shapes = sharding.view_shapes(layout)
         self._specs = sharding.view_specs()

@@ -45,7 +45,7 @@ from ..comm.order import after
 from ..comm.reduce import finish_deferred
 from ..core.fusion import fused_function
 from ..layout.layout import BucketLayout
-from ..zero3.gather import zero3_divisors
+from ..zero3.gather import varying_over, zero3_divisors
 from .loss_divisor import value_and_divided_grad
 from .spec import StepSpec
 
@@ -255,7 +255,7 @@ class InGrad(Reduction):
 
     def divisors(self, k: Kernel) -> tuple[int, ...]:
         # one per accumulator: per bucket, or per parameter (PerParamOps)
-        return k.ops.per_array(zero3_divisors(k.layout, k.ops.wire, k.g))
+        return k.ops.per_array(zero3_divisors(k.layout, k.ops.wire, k.g, k.ops.levels))
 
     def setup(self, k: Kernel) -> Any:
         layout, axis = k.layout, k.ops.axis
@@ -272,7 +272,9 @@ class InGrad(Reduction):
         return vg, loss, accs0, flags0, [slot_pos[i] for i in order]
 
     def prepare(self, k: Kernel, params: Any, mb0: Any) -> Any:
-        return self.pre(params)
+        # varying over the whole group (a hierarchical view is the same on every instance):
+        # the gathers' transpose then leaves the instances' sum to the end of the step
+        return jax.tree.map(lambda v: varying_over(v, k.ops.axis), self.pre(params))
 
     def forward(self, k: Kernel, ctx: Any, mb: Any) -> Any:
         _, loss, accs0, flags0, _ = k.setup
@@ -368,8 +370,11 @@ class Kernel:
         return out, acc, ok
 
     def finish(self, acc: Any) -> tuple[jax.Array, ...]:
-        """The accumulated gradient, reduced: one array per bucket (full or this rank's shard)."""
-        return self.reduction.finish(self, acc)
+        """The accumulated gradient, reduced: one array per bucket (full or this rank's shard).
+        With a hierarchical group the instances' shards are combined here, once per step,
+        after the last micro-batch (``ops.outer``)."""
+        red = self.reduction.finish(self, acc)
+        return self.ops.outer(red) if self.reduction.sharded else red
 
     def out(self, red: Any) -> Any:
         """The reduced buckets as the gradients the optimizer takes (params-shaped, or this
@@ -380,7 +385,7 @@ class Kernel:
         """Squared global L2 norm of the reduced gradients (the same on every rank)."""
         if not self.reduction.sharded:
             return self.ops.square_norm(red)
-        return self.ops.group_sum(self.ops.square_norm(red, self.divisors))
+        return self.ops.shard_sum(self.ops.square_norm(red, self.divisors))
 
     def order_last(self, last: Any, loss: Any) -> Any:
         """The last micro-batch, ordered after the loop's result ``loss`` where that helps.

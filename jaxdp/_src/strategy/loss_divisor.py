@@ -62,7 +62,7 @@ def loss_divisor(
     docstring)."""
     if wire.per_token or not groups:
         return 1
-    totals = {g.size * g.prediv for g in groups}
+    totals = {g.size * g.prediv * g.outer for g in groups}
     if len(totals) != 1:
         return 1
     d = num_microbatches * totals.pop()

@@ -124,7 +124,12 @@ def reduces_per_parameter(config: DDPConfig, layout: BucketLayout) -> bool:
 def finds_stacks(config: DDPConfig) -> bool:
     """Whether ``config`` gathers scanned layer stacks per layer (stage 3, ``scan_layers``,
     the interleaved layout; the plan asks, on meshes without tensor-parallel params)."""
-    return config.zero_stage == 3 and config.scan_layers and config.bucket_layout == "interleaved"
+    return (
+        config.zero_stage == 3
+        and config.scan_layers
+        and config.bucket_layout == "interleaved"
+        and not config.hierarchical  # instances gather whole stacks (docs/parallelism.md)
+    )
 
 
 def names_dot_operands(config: DDPConfig) -> bool:
@@ -269,7 +274,7 @@ def _layout(
     example_batch: Any,
     previous: Plan | None,
 ) -> BucketLayout:
-    dp = group.size
+    dp = group.shard_count  # the ZeRO shards: dp, or dp / N with instances that replicate them
     if not sharding.trivial:  # the layout of the rank-local blocks; stacks are not detected
         return BucketLayout.from_params(
             sharding.local_params(params), config, dp, shard_axes=sharding.buffer_keys()
@@ -321,15 +326,17 @@ def _ops(
     return PlainOps(*args)
 
 
-def _codecs(config: DDPConfig, layout: BucketLayout, sharding: ShardingPlan) -> tuple[Codec, Codec]:
-    """``(params codec, sharded view codec)``."""
+def _codecs(
+    config: DDPConfig, layout: BucketLayout, sharding: ShardingPlan, group: ReductionGroup
+) -> tuple[Codec, Codec]:
+    """``(params codec, sharded view codec)``; views are sharded over the group's shard axes."""
     plain = ParamCodec(layout, sharding)
     if config.zero_stage == 0:
         return plain, plain
     if not sharding.trivial:
         return plain, BlockCodec(layout, sharding)
     view_cls = MegatronCodec if layout.kind == "megatron" else InterleavedCodec
-    return plain, view_cls(layout, sharding)
+    return plain, view_cls(layout, sharding, group.shard_axes)
 
 
 def _strategy(
@@ -339,7 +346,7 @@ def _strategy(
     group: ReductionGroup,
     optimizer: optax.GradientTransformation,
 ) -> Strategy:
-    plain, view = _codecs(config, layout, sharding)
+    plain, view = _codecs(config, layout, sharding, group)
     g, stage = config.num_microbatches, config.zero_stage
     wire = wire_of(config)
     spec = StepSpec(
@@ -433,7 +440,14 @@ def _strategy(
             **common,
         )
     # stage 3: scanned layer stacks are gathered one layer per scan iteration
-    z3: dict[str, Any] = dict(axis=config.data_axis, policy=remat_policy_for(config.remat_policy))
+    # Params are gathered over the shard axes; the gathers' transpose reduces within the
+    # instance (the whole group when flat) and the instances are combined after the loop.
+    z3: dict[str, Any] = dict(
+        axis=group.shard_axes if group.outer_axis else config.data_axis,
+        policy=remat_policy_for(config.remat_policy),
+    )
+    if group.levels is not None:
+        z3["levels"] = group.levels
     if layout.stacked:  # each layer's slices are laid out by the layout's own rules
         z3["rules"] = rules_of(config, layout.dp_size)
     else:  # accs: one per parameter where the ops reduce per parameter (not on a

@@ -5,8 +5,17 @@ and ``expert_axis``. It answers every question about the group that the rest of 
 asks: the axes the step's ``shard_map`` is manual over, how a batch is split, the dense
 data-parallel size, and (:meth:`ReductionGroup.bucket_groups`) the group each bucket's
 gradient is reduced over. Expert buffers reduce over the data axis only (Megatron's
-expert-data-parallel group); everything else over the dense group. A hierarchical
-(intra-/inter-node) group would be one more kind of :class:`BucketGroup` here.
+expert-data-parallel group); everything else over the dense group.
+
+Hierarchical groups (``num_distributed_optimizer_instances = N > 1``): the mesh is
+``(outer, inner)`` (:func:`jaxdp._src.topology.mesh.instance_mesh`), ``data_axis`` is the
+inner (instance) axis and ``outer_axis`` the axis across instances. A bucket reduces within
+its instance (:class:`BucketGroup` over the inner axis, ``outer = N``: the mean divides by
+``dp``) and the caller combines the instances' shards once per step
+(:meth:`jaxdp._src.comm.nested.PlainOps.outer`): a sum (``no_shard``: the state is sharded
+over the inner axis, replicated across instances) or a reduce-scatter (``shard_outer``,
+``"optim"``: sharded over ``(inner, outer)``, rank ``(o, i)`` holding shard ``i * N + o``,
+which is what reduce-scattering over the inner axis and then the outer one leaves it).
 
 Expert scaling follows Megatron (reference/megatron-ddp.md §3.1), so that every gradient is
 the mean over the dense group's losses: a bucket's reduction
@@ -27,7 +36,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["BucketGroup", "ReductionGroup"]
+__all__ = ["BucketGroup", "Levels", "ReductionGroup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +49,30 @@ class BucketGroup:
         prediv: divisor applied before the reduction (``|expert|`` for expert buckets, so that
             every gradient is the mean over the dense group's losses; :mod:`jaxdp._expert`).
         expert: whether the bucket holds expert params.
+        outer: the number of instances whose reduced shards are summed after this group's
+            reduction (hierarchical groups; 1 otherwise): the mean divides by
+            ``size * outer``.
     """
 
     axes: Any
     size: int
     prediv: int = 1
     expert: bool = False
+    outer: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Levels:
+    """A hierarchical group's reduction as ZeRO-3's gathers transpose it: within the instance
+    over ``axis`` (``inner`` ranks), the mean dividing by ``inner * outer``, which leaves each
+    rank ``chunk`` shards (``outer_dp_sharding_strategy="optim"``: ``outer``; else 1); the
+    instances are combined after the micro-batches
+    (:meth:`jaxdp._src.comm.nested.PlainOps.outer`)."""
+
+    axis: str
+    inner: int
+    outer: int
+    chunk: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +90,52 @@ class ReductionGroup:
     mesh: Any
     data_axis: str
     expert_axis: str | None = None
+    outer_axis: str | None = None
+    shard_outer: bool = False
 
     @property
     def manual_axes(self) -> tuple[str, ...]:
         """The axes the step's ``shard_map`` is manual over."""
+        if self.outer_axis is not None:
+            return (self.outer_axis, self.data_axis)
         return (self.data_axis,) if self.expert_axis is None else (self.data_axis, self.expert_axis)
 
     @property
     def axes(self) -> Any:
         """The axis name (or tuple of names) a dense collective runs over."""
-        return self.data_axis if self.expert_axis is None else self.manual_axes
+        if self.outer_axis is None and self.expert_axis is None:
+            return self.data_axis
+        return self.manual_axes
+
+    @property
+    def inner_size(self) -> int:
+        """Ranks per instance (the whole group when flat)."""
+        return int(self.mesh.shape[self.data_axis])
+
+    @property
+    def outer_size(self) -> int:
+        """The number of instances (1 when flat)."""
+        return 1 if self.outer_axis is None else int(self.mesh.shape[self.outer_axis])
+
+    @property
+    def shard_axes(self) -> Any:
+        """The mesh axis (or axes, major first) the ZeRO shards of the master weights and
+        optimizer state are split over: the data axis; with ``shard_outer``, ``(inner,
+        outer)`` (module docstring)."""
+        if self.shard_outer and self.outer_axis is not None:
+            return (self.data_axis, self.outer_axis)
+        return self.data_axis
+
+    @property
+    def shard_count(self) -> int:
+        """How many ZeRO shards a bucket is split into (the layout's ``dp_size``)."""
+        return self.inner_size * (self.outer_size if self.shard_outer else 1)
+
+    @property
+    def outer_chunk(self) -> int:
+        """Shards per instance-level chunk: what the inner reduce-scatter leaves a rank holds
+        (``outer_size`` with ``shard_outer``, else 1)."""
+        return self.outer_size if self.shard_outer else 1
 
     @property
     def platform(self) -> str:
@@ -93,9 +156,19 @@ class ReductionGroup:
         """How a global batch is split: over the data axis, and the expert axis if any."""
         return P(self.axes)
 
+    @property
+    def levels(self) -> Levels | None:
+        """The reduction within an instance (:class:`Levels`), or ``None`` when flat."""
+        if self.outer_axis is None:
+            return None
+        return Levels(self.data_axis, self.inner_size, self.outer_size, self.outer_chunk)
+
     def bucket_groups(self, layout: Any) -> tuple[BucketGroup, ...]:
         """One :class:`BucketGroup` per bucket of ``layout``: expert buffers (split over the
         expert axis) over the data axis, every other bucket over the dense group."""
+        if self.outer_axis is not None:  # within the instance; instances combined after
+            inner = BucketGroup(self.data_axis, self.inner_size, outer=self.outer_size)
+            return (inner,) * len(layout.buckets)
         dense = BucketGroup(self.axes, self.size)
         if self.expert_axis is None:
             return (dense,) * len(layout.buckets)

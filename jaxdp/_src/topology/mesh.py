@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["make_mesh", "dp_size", "auto_mesh"]
+__all__ = ["make_mesh", "dp_size", "auto_mesh", "instance_mesh", "instance_axes"]
 
 
 def make_mesh(devices: Sequence[Any] | Mesh | None = None, axis: str = "data") -> Mesh:
@@ -71,3 +71,40 @@ def auto_mesh(mesh: Mesh) -> Mesh:
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def instance_axes(data_axis: str) -> tuple[str, str]:
+    """The ``(outer, inner)`` axis names of a hierarchical mesh built from ``data_axis``."""
+    return f"{data_axis}_outer", f"{data_axis}_inner"
+
+
+def instance_mesh(mesh: Mesh, data_axis: str, instances: int) -> Mesh:
+    """``mesh``'s data ranks as ``instances`` instances of consecutive devices: a 2-D mesh
+    ``(data_axis + "_outer", data_axis + "_inner")`` of shape ``(N, dp / N)`` over the same
+    devices in the same order, so rank ``o * (dp / N) + i`` is the device it was (one host's
+    devices stay together: ``jax.devices()`` lists them process by process).
+
+    Example:
+        >>> import jax
+        >>> m = instance_mesh(make_mesh(), "data", 2)
+        >>> m.axis_names, m.shape["data_outer"] * m.shape["data_inner"] == jax.device_count()
+        (('data_outer', 'data_inner'), True)
+    """
+    field = "DDPConfig.num_distributed_optimizer_instances"
+    if mesh.axis_names != (data_axis,):
+        raise ValueError(
+            f"DataParallel: {field}={instances} with a mesh of axes {mesh.axis_names}; "
+            f"expected a 1-D mesh over {data_axis!r} (hierarchical data parallelism on a "
+            "tensor-parallel or expert mesh is not implemented). Fix: pass jaxdp.make_mesh() "
+            f"(or no mesh), or set {field.split('.')[1]}=1."
+        )
+    dp = int(mesh.shape[data_axis])
+    if instances > dp or dp % instances:
+        raise ValueError(
+            f"DataParallel: {field}={instances} with {dp} data-parallel ranks; expected a "
+            f"divisor of {dp} (each instance holds dp / N consecutive devices). Fix: use one "
+            f"of {[n for n in range(1, dp + 1) if dp % n == 0]}, e.g. the number of nodes."
+        )
+    outer, inner = instance_axes(data_axis)
+    devices = np.asarray(mesh.devices).reshape(instances, dp // instances)
+    return Mesh(devices, (outer, inner), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -32,6 +32,7 @@ tags the result with :data:`GATHERED` so no policy of :func:`remat_policy_for` s
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -39,9 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ..comm.gather import gather_levels
 from ..comm.reduce import deferred_divisor, reduce_one
 from ..comm.wire import Wire
 from ..layout.layout import Bucket, BucketLayout
+from ..topology.group import Levels
 from .remat import GATHERED
 
 __all__ = [
@@ -50,9 +53,17 @@ __all__ = [
     "make_leaf_gather",
     "reduces_leaf_by_leaf",
     "sharded_gather",
+    "varying_over",
     "zero3_divisors",
     "zero3_value_and_grad",
 ]
+
+
+def _reduce_over(axis: Any, layout: BucketLayout, levels: Levels | None) -> dict[str, Any]:
+    """``reduce_one``'s group keywords for a gather over ``axis``."""
+    if levels is None:
+        return {"axis": axis}
+    return {"axis": levels.axis, "dp": levels.inner, "outer": levels.outer}
 
 
 def gathers_per_parameter(layout: BucketLayout) -> bool:
@@ -67,6 +78,16 @@ def _vma(x: jax.Array) -> frozenset[str]:
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def varying_over(x: jax.Array, axes: Any) -> jax.Array:
+    """``x`` typed as varying over the manual ``axes`` (a name or a tuple) as well. Stage 3's
+    shard view must vary over every axis the loss does: the cotangent of a value typed as the
+    same on every instance would be summed over the instances by autodiff itself, once per
+    micro-batch, where a hierarchical group combines them once per step."""
+    names = axes if isinstance(axes, tuple) else (axes,)
+    missing = tuple(a for a in names if a not in _vma(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
@@ -125,10 +146,12 @@ def sharded_gather(
         True
     """
 
+    axes = axis if isinstance(axis, tuple) else (axis,)
+
     @jax.custom_vjp
     def gather(shard: jax.Array, acc: jax.Array, flags: jax.Array) -> jax.Array:
         del acc, flags
-        return jax.lax.all_gather(shard, axis, tiled=True)
+        return gather_levels(shard, axis, invarying=False)
 
     def fwd(shard: jax.Array, acc: jax.Array, flags: jax.Array) -> tuple[jax.Array, None]:
         return gather(shard, acc, flags), None
@@ -136,7 +159,7 @@ def sharded_gather(
     def bwd(_: None, ct: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         red, bad = reduce(ct)
         # the shard's shape and dtype follow from the full value's (a tiled gather)
-        n = ct.shape[0] // jax.lax.axis_size(axis)
+        n = ct.shape[0] // math.prod(jax.lax.axis_size(a) for a in axes)
         zero = _varying_like(jnp.zeros((n,), ct.dtype), ct)
         return zero, red, bad
 
@@ -150,13 +173,17 @@ def reduces_leaf_by_leaf(b: Bucket, wire: Wire) -> bool:
     return not (wire.all_to_all or jnp.dtype(b.grad_dtype).itemsize >= 4)
 
 
-def zero3_divisors(layout: BucketLayout, wire: Wire, num_microbatches: int) -> tuple[int, ...]:
+def zero3_divisors(
+    layout: BucketLayout, wire: Wire, num_microbatches: int, levels: Levels | None = None
+) -> tuple[int, ...]:
     """Per bucket, what stage 3's reduced shard is left to be divided by after the gathers'
     transpose (:func:`jaxdp._src.comm.reduce.finish_deferred`): deferred with micro-batches,
-    and always where the leaves reduce one by one (a power-of-two scale left to the end)."""
+    and always where the leaves reduce one by one (a power-of-two scale left to the end).
+    ``levels``: a hierarchical group's (:class:`Levels`)."""
     per_leaf = gathers_per_parameter(layout)
+    dp, outer = (None, 1) if levels is None else (levels.inner, levels.outer)
     return tuple(
-        deferred_divisor(b, layout, wire, num_microbatches)
+        deferred_divisor(b, layout, wire, num_microbatches, dp=dp, outer=outer)
         if num_microbatches > 1 or (per_leaf and reduces_leaf_by_leaf(b, wire))
         else 1
         for b in layout.buckets
@@ -168,9 +195,10 @@ def make_bucket_gather(
     layout: BucketLayout,
     wire: Wire,
     *,
-    axis: str,
+    axis: Any,
     num_microbatches: int,
     deferred: bool,
+    levels: Levels | None = None,
 ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """The ZeRO-3 gather of bucket ``b``: :func:`sharded_gather` with stage 2's reduction.
 
@@ -183,13 +211,15 @@ def make_bucket_gather(
     """
     acc_dt = wire.accumulate
 
+    over = _reduce_over(axis, layout, levels)
+
     def reduce(ct: jax.Array) -> tuple[jax.Array, jax.Array]:
         ct = ct.astype(acc_dt)
-        red, _ = reduce_one(ct, b, layout, wire, num_microbatches, deferred, axis=axis)
+        red, _ = reduce_one(ct, b, layout, wire, num_microbatches, deferred, **over)
         if wire.check_nan:
             bad = _nonfinite(ct, b, layout)
         else:
-            bad = jax.lax.pcast(jnp.zeros((len(b.slots),), jnp.float32), axis, to="varying")
+            bad = _varying_like(jnp.zeros((len(b.slots),), jnp.float32), ct)
         return red.astype(acc_dt), bad
 
     return sharded_gather(axis, reduce)
@@ -200,10 +230,11 @@ def make_leaf_gather(
     layout: BucketLayout,
     wire: Wire,
     *,
-    axis: str,
+    axis: Any,
     per_slot_acc: bool,
     num_microbatches: int,
     deferred: bool,
+    levels: Levels | None = None,
 ) -> Callable[[tuple[jax.Array, ...], jax.Array, jax.Array], list[jax.Array]]:
     """The ZeRO-3 gather of an interleaved bucket ``b``, one ``all_gather`` per parameter.
 
@@ -244,12 +275,14 @@ def make_leaf_gather(
         )
     slots = list(b.slots)
     reduce_per_leaf = reduces_leaf_by_leaf(b, wire)
+    over = _reduce_over(axis, layout, levels)
+    chunk = 1 if levels is None else levels.chunk  # shards per reduced piece
 
     @jax.custom_vjp
     def gather(pieces: tuple[jax.Array, ...], acc: jax.Array, flags: jax.Array) -> list[jax.Array]:
         del acc, flags
         return [
-            layout.leaf_from_global(i, jax.lax.all_gather(x, axis, tiled=True))
+            layout.leaf_from_global(i, gather_levels(x, axis, invarying=False))
             for i, x in zip(slots, pieces, strict=True)
         ]
 
@@ -264,18 +297,21 @@ def make_leaf_gather(
                 flat = layout.leaf_to_global(i, ct, acc_dt)
                 # deferred even with one micro-batch: a power-of-two scale is left to the
                 # final division (reduce_one), the same bits without a pass over the gradient
-                parts[i], _ = reduce_one(flat, b, layout, wire, num_microbatches, True, axis=axis)
-            red = (
-                tuple(parts[i] for i in slots)
-                if per_slot_acc
-                else layout.fill(b, parts, parts[slots[0]].dtype)
-            )
+                parts[i], _ = reduce_one(flat, b, layout, wire, num_microbatches, True, **over)
+            red: Any
+            if per_slot_acc:
+                red = tuple(parts[i] for i in slots)
+            elif chunk == 1:
+                red = layout.fill(b, parts, parts[slots[0]].dtype)
+            else:  # each piece holds ``chunk`` consecutive shards' pieces: one row each
+                rows = {i: p.reshape(chunk, -1) for i, p in parts.items()}
+                red = layout.fill(b, rows, parts[slots[0]].dtype, rows=chunk)
         else:
             leaves: list[Any] = [None] * len(layout.slots)
             for i, ct in zip(slots, cts, strict=True):
                 leaves[i] = ct
             flat = layout.pack_interleaved(b, leaves, acc_dt)
-            red, _ = reduce_one(flat, b, layout, wire, num_microbatches, deferred, axis=axis)
+            red, _ = reduce_one(flat, b, layout, wire, num_microbatches, deferred, **over)
         if wire.check_nan:
             bad = _nonfinite_flags(cts)
         else:
@@ -303,6 +339,7 @@ def zero3_value_and_grad(
     per_slot: bool,
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
+    levels: Levels | None = None,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """Value-and-grad of ``parts(params, mb)`` for params held as local bucket shards.
 
@@ -338,6 +375,7 @@ def zero3_value_and_grad(
             axis=axis,
             num_microbatches=num_microbatches,
             deferred=num_microbatches > 1,
+            levels=levels,
         )
         for b in layout.buckets
     ]
