@@ -82,6 +82,30 @@ def _assert_same(a, b):
         ((6, {"zero_stage": 0}), (3, {"zero_stage": 3, "param_dtype": "bfloat16"})),
         ((8, {"zero_stage": 0, "param_dtype": "bfloat16"}), (6, {"zero_stage": 1})),
         ((4, {"zero_stage": 1}), (8, {"zero_stage": 0, "param_dtype": "bfloat16"})),
+        # flat <-> hierarchical <-> another number of instances
+        ((8, {"zero_stage": 1}), (8, {"zero_stage": 1, "num_distributed_optimizer_instances": 2})),
+        (
+            (8, {"zero_stage": 2, "num_distributed_optimizer_instances": 4}),
+            (
+                6,
+                {
+                    "zero_stage": 3,
+                    "num_distributed_optimizer_instances": 3,
+                    "outer_dp_sharding_strategy": "optim",
+                },
+            ),
+        ),
+        (
+            (
+                8,
+                {
+                    "zero_stage": 3,
+                    "num_distributed_optimizer_instances": 2,
+                    "outer_dp_sharding_strategy": "optim",
+                },
+            ),
+            (4, {"zero_stage": 1}),
+        ),
     ],
 )
 def test_restore_reshards_exactly(tmp_path, src, dst):

@@ -413,3 +413,25 @@ def test_launcher_rejects_its_own_flags():
         timeout=60,
     )
     assert r.returncode == 2 and "--process-id is set by the launcher" in r.stderr
+
+
+def test_two_processes_as_two_instances_match_one_process(tmp_path, config, cache):
+    """num_distributed_optimizer_instances=2 with two processes (two "nodes" of 4 devices):
+    the losses of one process on 8 devices with the same setting, bit for bit
+    (deterministic_reduction, the main job's default)."""
+    n = 4
+    hier = ["--set", "num_distributed_optimizer_instances=2", "--set", "zero_stage=2"]
+    hier += ["--set", "outer_dp_sharding_strategy=optim", "--steps", str(n)]
+    one = str(tmp_path / "one")
+    r = _run(
+        [sys.executable, "-m", "jaxdp.train", "--config", config, "--out", one, *hier],
+        _env(cache),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = str(tmp_path / "two")
+    launch = [sys.executable, "-m", "jaxdp.launch", "--nproc", "2", "--grace", "60", "--"]
+    r = _run([*launch, "--config", config, "--out", two, *hier], _env(cache), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _losses(two) == _losses(one)
+    assert _losses(one)[0] == list(range(1, n + 1))

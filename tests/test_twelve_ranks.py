@@ -23,15 +23,21 @@ opt = optax.adamw(1e-2, weight_decay=0.1)
 ref, ref_norms = reference_train(mse_loss, opt, params, batches)
 out = {}
 runs = [(stage, 2, False) for stage in (0, 1, 2, 3)] + [(0, 1, True)]
+# hierarchical: 3 instances of 4 devices, both outer strategies
+runs += [(1, 2, "no_shard"), (3, 2, "optim")]
 for stage, g, bucketed in runs:
+    extra = {}
+    if isinstance(bucketed, str):
+        extra = dict(num_distributed_optimizer_instances=3, outer_dp_sharding_strategy=bucketed)
+        bucketed = False
     if bucketed:  # stage 0's packed buckets (forced), every one scaled gradient by gradient
         plan.per_parameter_all_reduce = lambda *a: False
         import jaxdp._src.comm.nested as nested
         nested.UNPACKED_OVER = 0
-    cfg = DDPConfig(zero_stage=stage, num_microbatches=g, bucket_size=64)
+    cfg = DDPConfig(zero_stage=stage, num_microbatches=g, bucket_size=64, **extra)
     dp = DataParallel(mse_loss, opt, cfg, mesh=make_mesh())
     state, norms = train_steps(dp, dp.init(params), batches)
-    out[f"{stage}-{g}-{bucketed}"] = {
+    out[f"{stage}-{g}-{bucketed}-{extra}"] = {
         "dp": dp.dp,
         "buckets": len(dp.layout.buckets),
         "err": max_rel_err(dp.params(state), ref),
@@ -54,7 +60,7 @@ def test_every_stage_at_twelve_ranks():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1].removeprefix("RESULT "))
-    assert len(out) == 5
+    assert len(out) == 7
     for name, r in out.items():
         assert r["dp"] == 12 and r["buckets"] > 3, (name, r)
         assert r["err"] < 1e-6, (name, r)

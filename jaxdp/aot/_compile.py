@@ -15,8 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: F401 - abstract_batch's example
 
 from .. import DataParallel
 from .._src.platform.xla_flags import with_passes_off, xla_compiler_options
@@ -76,7 +75,7 @@ def abstract_batch(dp: DataParallel, batch: Any) -> Any:
         True
     """
     _check_engine("abstract_batch", dp)
-    sharding = NamedSharding(dp.mesh, P(dp.config.data_axis))
+    sharding = dp.batch_sharding
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
 
 

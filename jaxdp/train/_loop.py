@@ -325,6 +325,7 @@ class Trainer:
             "bucket_numel": sum(b.numel for b in layout.buckets),
             "state_bytes_per_device": state_bytes,
             "bytes_per_step": eng.plan.strategy.bytes_per_step(),
+            "bytes_across_instances": eng.plan.strategy.bytes_across_instances(),
             "first_step": start,
             "last_step": t.steps,
             "loss_first": records[0]["loss"] if records else losses[0],

@@ -81,6 +81,7 @@ def summary_table(info: dict[str, Any]) -> Table:
         ("buckets", f"{info['buckets']} ({info['bucket_numel']:,} elements)"),
         ("train state per device", _mib(info["state_bytes_per_device"])),
         ("bytes moved per step per rank", _mib(info["bytes_per_step"])),
+        ("of which across instances", _mib(info.get("bytes_across_instances", 0))),
         ("steps", f"{info['first_step']} -> {info['last_step']}"),
         ("loss (first -> last logged)", f"{info['loss_first']:.3f} -> {info['loss_last']:.3f}"),
         ("validation loss", "-" if info["val_loss"] is None else f"{info['val_loss']:.3f}"),

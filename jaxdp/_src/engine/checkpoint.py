@@ -202,7 +202,9 @@ class CheckpointManager:
         mesh axes (tensor parallelism) and takes the data axis on its first free dimension:
         moving a model-split weight to a data split of the same dimension would make XLA
         gather the whole weight on every device ("involuntary full rematerialization")."""
-        mesh, axis, dp = self.engine.mesh, self.engine.config.data_axis, self.engine.dp
+        mesh, dp, group = self.engine.mesh, self.engine.dp, self.engine.group
+        # the data axis; a hierarchical mesh's two axes together (every data rank)
+        axis = group.manual_axes if group.outer_axis else self.engine.config.data_axis
 
         def spec(x: Any, model: Any = None) -> NamedSharding:
             entries = [None if e == axis else e for e in (model or ())]

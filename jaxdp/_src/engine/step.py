@@ -31,7 +31,7 @@ def warn_if_undetected(engine: Any, batch: Any) -> None:
             1,
             num_microbatches=cfg.num_microbatches,
             param_dtype=cfg.param_dtype,
-            axes=(cfg.data_axis,) + ((cfg.expert_axis,) if cfg.expert_axis else ()),
+            axes=engine.group.manual_axes,
         )
     except Exception:  # detection is advice only; the step reports real errors itself
         return

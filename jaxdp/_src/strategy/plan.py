@@ -292,7 +292,7 @@ def _layout(
                 num_microbatches=config.num_microbatches,
                 param_dtype=config.param_dtype,
                 patterns=config.scan_param_patterns,
-                axes=(config.data_axis,) + ((config.expert_axis,) if config.expert_axis else ()),
+                axes=group.manual_axes,
             )
         except UnboundAxis as e:  # a model collective over an axis the step does not bind
             err = unbound_axis_error("DataParallel.init", e.name, e.bound, config.data_axis)

@@ -278,13 +278,33 @@ class Strategy:
 
     # ------------------------------------------------------------------ reports
     def _bytes(self) -> tuple[float, int, int]:
-        n = self.group.size
+        """``(ring fraction within the reduction group, gradient bytes, param bytes)``; a
+        hierarchical group's ring is the instance."""
+        n = self.group.inner_size if self.group.outer_axis else self.group.size
         grad = sum(b.numel * np.dtype(b.grad_dtype).itemsize for b in self.layout.buckets)
         param = sum(b.numel * np.dtype(b.dtype).itemsize for b in self.layout.buckets)
         return (n - 1) / n, grad, param
 
+    def bytes_across_instances(self) -> int:
+        """Bytes each rank sends per step across instances (hierarchical groups; 0 when flat):
+        its instance's gradient shard all-reduced (``no_shard``) or reduce-scattered
+        (``"optim"``, plus the updated params' all-gather back: per micro-batch pass at
+        stage 3), with ring collectives."""
+        g = self.group
+        if g.outer_axis is None:
+            return 0
+        n, inner = g.outer_size, g.inner_size
+        _, grad, param = self._bytes()
+        if not g.shard_outer:
+            return int(2 * (n - 1) / n * grad / inner)
+        gathers = 2 * self.spec.num_microbatches if self.params_sharded else 1
+        if self.name == "sharded optimizer" and not self.params_sharded:
+            gathers = 1
+        return int((n - 1) / n * (grad + gathers * param) / inner)
+
     def bytes_per_step(self) -> int:
-        """Bytes each rank sends per step with ring collectives."""
+        """Bytes each rank sends per step with ring collectives (within the instance and,
+        :meth:`bytes_across_instances`, across instances)."""
         raise NotImplementedError
 
 
@@ -363,7 +383,7 @@ class ShardedOpt(Strategy):
 
     def bytes_per_step(self) -> int:
         frac, grad, param = self._bytes()
-        return int((self.scatters * grad + param) * frac)
+        return int((self.scatters * grad + param) * frac) + self.bytes_across_instances()
 
 
 class ShardedParams(Strategy):
@@ -383,4 +403,4 @@ class ShardedParams(Strategy):
     def bytes_per_step(self) -> int:
         frac, grad, param = self._bytes()
         g = self.spec.num_microbatches
-        return int((g * grad + 2 * g * param) * frac)
+        return int((g * grad + 2 * g * param) * frac) + self.bytes_across_instances()
