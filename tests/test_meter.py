@@ -1,16 +1,21 @@
-"""The exposed-communication meter (jaxdp/train/_meter.py): hand-made traces with known answers
-and a real XLA:CPU trace of engine steps."""
+"""The exposed-communication meter (jaxdp/train/_meter.py): hand-made traces with known answers,
+a real XLA:CPU trace of engine steps, and ``jaxdp-train --profile`` end to end."""
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+import yaml
 
 import jaxdp
 from jaxdp.train import _meter
+from jaxdp.train._cli import parse_args
 from jaxdp.train._meter import (
     StepMeter,
     exposed_communication,
@@ -20,6 +25,9 @@ from jaxdp.train._meter import (
     meter_markdown,
     summarize,
 )
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CMD = [sys.executable, "-m", "jaxdp.train"]
 
 # ------------------------------------------------------------------ hand-made traces
 # An XLA:GPU-shaped trace: a host process with the step annotations, one process per GPU with
@@ -274,3 +282,54 @@ def test_a_cpu_trace_of_engine_steps(tmp_path):
     with gzip.open(stripped, "wt") as f:
         json.dump(data, f)
     assert exposed_communication(str(stripped)) == steps
+
+
+# ------------------------------------------------------------------ jaxdp-train --profile
+
+
+def test_the_profile_flag(capsys):
+    assert parse_args(["--profile"]).profile == 5 and parse_args([]).profile is None
+    with pytest.raises(SystemExit):
+        parse_args(["--profile", "0"])
+    assert "--profile 0: expected a number of steps >= 1" in capsys.readouterr().err
+
+
+def test_jaxdp_train_profile(tmp_path):
+    cfg = {
+        "model": {"layers": 1, "width": 32, "heads": 2, "context": 16},
+        "train": {
+            "steps": 4,
+            "global_batch": 8,
+            "micro_batch": 2,
+            "log_every": 2,
+            "eval_every": 100,
+            "eval_batches": 1,
+            "checkpoint_every": 100,
+            "sample_bytes": 0,
+            "warmup": 1,
+            "decay_steps": 10,
+        },
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env |= {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run(
+        [*CMD, "--config", str(path), "--out", str(out), "--devices", "2", "--profile", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(out / "profile" / "meter.json") as f:
+        meter = json.load(f)
+    assert [s["step"] for s in meter["steps"]] == [3, 4]  # from the third step
+    assert all(s["devices"] == 2 and s["collective_ms"] > 0 for s in meter["steps"])
+    assert meter["summary"]["steps"] == 1
+    assert os.path.exists(out / "profile" / meter["trace"])
+    text = " ".join(r.stdout.split())  # rich wraps lines
+    assert "exposed communication (" in text and "ms/step, exposed" in text
+    with open(out / "summary.json") as f:
+        assert json.load(f)["exposed_communication"] == meter["summary"]

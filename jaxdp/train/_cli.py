@@ -18,6 +18,9 @@ from ._stop import StopRequested, StopSignals, signal_name
 
 __all__ = ["main", "parse_args"]
 
+#: Steps traced by a bare ``--profile`` (jaxdp/train/_profile.py).
+DEFAULT_PROFILE_STEPS = 5
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = StrictParser(
@@ -40,6 +43,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, help="DDPConfig.zero_stage (0, 1, 2 or 3)")
     p.add_argument("--global-batch", type=int, help="sequences per step over all ranks")
     p.add_argument("--micro-batch", type=int, help="sequences per pass per rank")
+    p.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=DEFAULT_PROFILE_STEPS,
+        metavar="N",
+        help="trace N steps from the third (default %(const)s) with jax.profiler and write "
+        "OUT/profile/meter.json: per-step compute, collective and exposed-collective time "
+        "(docs/training.md)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -88,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"instead (default {DEFAULT_HANG_TIMEOUT:g}; 0: off)",
     )
     args = p.parse_args(argv)
+    if args.profile is not None and args.profile < 1:
+        p.error(f"--profile {args.profile}: expected a number of steps >= 1 (or no number)")
     if args.hang_timeout < 0:
         p.error(f"--hang-timeout {args.hang_timeout:g}: expected seconds >= 0 (0: off)")
     for name in ("init_timeout", "heartbeat_timeout", "stop_timeout"):

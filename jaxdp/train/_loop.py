@@ -23,6 +23,7 @@ from ..models.gpt import GPT, generate, next_byte_loss
 from ._data import batch_rows, load_corpus
 from ._mfu import mfu, train_flops_per_token
 from ._options import RunConfig
+from ._profile import StepProfiler
 from ._report import MetricsLog, plot_loss, print_summary
 from ._rundir import UsageError, clear_run
 from ._stop import StopAgreement, StopSignals, signal_name
@@ -209,15 +210,19 @@ class Trainer:
             disable=not self.lead,
         )
         agreement = StopAgreement(self.mesh)
+        profiler = StepProfiler(out, getattr(args, "profile", None), start, t.steps)
         stop_signal, saved, stopped_at = 0, None, None
         self.signals.arm()
         with progress:
             task = progress.add_task("compiling", total=t.steps, completed=start)
             for step in range(start + 1, t.steps + 1):
                 self.progress.report(step, "step")
-                t0 = time.perf_counter()
-                batch = self.batch(self.corpus.train, t.seed, step)
-                self.state, metrics = eng.step(self.state, batch)
+                with profiler.step(step, self.state):
+                    t0 = time.perf_counter()
+                    batch = self.batch(self.corpus.train, t.seed, step)
+                    self.state, metrics = eng.step(self.state, batch)
+                profiler.after(step, self.state)
+                last_log_t += profiler.take_overhead()  # tracing is not training time
                 spikes.add(metrics)  # on the device: read at the next logged step
                 # Every process gets the same answer at the same step (see _stop.py).
                 stop_signal = agreement.check(step, self.signals.signum)
@@ -284,6 +289,7 @@ class Trainer:
                     stopped_at = step
                     break
                 self.progress.report(step, "finished")
+        profiler.stop()  # a run stopped by a signal inside the traced steps
         self.progress.report(stopped_at or t.steps, "end")
         self.signals.settled()
         self.ckpt.wait_until_finished()
@@ -343,11 +349,19 @@ class Trainer:
             # what the step compiled with beyond XLA_FLAGS (jaxdp.xla_compiler_options on GPUs,
             # and the XLA passes its collectives need off)
             "xla_options": dict(eng.step_compiler_options or {}),
+            # --profile: medians of the traced steps (jaxdp/train/_meter.py), in ms
+            "exposed_communication": profiler.summary,
         }
         plot_loss(records, os.path.join(out, "loss.png"), info["unigram_entropy"])
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
             json.dump({**info, "sample": sample}, f, indent=1)
         print_summary(self.console, info, sample)
+        if profiler.line is not None:
+            self.console.print(
+                f"exposed communication ({profiler.dir}/meter.json): {profiler.line}"
+            )
+        elif profiler.error is not None:
+            self.console.print(f"[yellow]warning:[/] {profiler.error}")
         self._barrier("done")
         return 0
 

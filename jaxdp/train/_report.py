@@ -101,6 +101,15 @@ def summary_table(info: dict[str, Any]) -> Table:
         ("first step (compile)", f"{info['compile_s']:.1f} s"),
         ("wall time", f"{info['wall_s']:.1f} s"),
     ]
+    meter = info.get("exposed_communication")
+    if meter:
+        rows.append(
+            (
+                "collectives / exposed (--profile)",
+                f"{meter['collective_ms']:.3g} / {meter['exposed_ms']:.3g} ms per step "
+                f"({meter['overlapped']:.0%} overlapped)",
+            )
+        )
     for k, v in rows:
         t.add_row(k, v)
     return t

@@ -9,7 +9,14 @@ import shutil
 
 __all__ = ["RUN_FILES", "UsageError", "check_out_dir", "clear_run"]
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "loss.png", "summary.json", "checkpoints")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "loss.png",
+    "summary.json",
+    "checkpoints",
+    "profile",
+)
 
 
 class UsageError(ValueError):
