@@ -60,6 +60,10 @@ BAD_VALUES = [
     ("remat_policy", None, TypeError, "one of ('gemm', 'dots', 'everything', 'nothing')"),
     ("model_state_sync", "sum", ValueError, "one of ('mean', 'broadcast')"),
     ("model_state_sync", 1, TypeError, "one of ('mean', 'broadcast')"),
+    ("exp_avg_dtype", "float16", ValueError, "float16 is not offered"),
+    ("exp_avg_dtype", None, TypeError, "one of ('float32', 'bfloat16')"),
+    ("exp_avg_sq_dtype", "float64", ValueError, "one of ('float32', 'bfloat16')"),
+    ("exp_avg_sq_dtype", "bfloat", TypeError, "one of ('float32', 'bfloat16')"),
 ]
 
 

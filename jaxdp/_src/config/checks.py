@@ -29,6 +29,11 @@ REMAT_POLICIES: Final = ("gemm", "dots", "everything", "nothing")
 MODEL_STATE_SYNC: Final = ("mean", "broadcast")
 #: ``DDPConfig.outer_dp_sharding_strategy``'s values.
 OUTER_STRATEGIES: Final = ("no_shard", "optim")
+#: Values of ``DDPConfig.exp_avg_dtype`` and ``exp_avg_sq_dtype``: the storage dtypes of Adam's
+#: moments. float16 is left out: Adam's second moment holds squared gradients (1e-8 and less
+#: is common), below float16's smallest normal (6.1e-5) and soon below its smallest subnormal
+#: (6e-8), and the update divides by its square root; bfloat16 has float32's exponent range.
+MOMENT_DTYPES: Final = ("float32", "bfloat16")
 
 
 def _did_you_mean(unknown: list[Any], names: list[str]) -> str:
@@ -116,6 +121,38 @@ def _canonical_dtype(field: str, value: Any, allow_none: bool) -> str | None:
             TypeError if name is None else ValueError,
         )
     return name
+
+
+#: Megatron's command-line names of the moment dtypes (``--exp-avg-dtype bf16``).
+_MEGATRON_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _moment_dtype(field: str, value: Any) -> str:
+    """Canonical name of a moment storage dtype (``jnp.bfloat16`` and ``"bf16"`` ->
+    ``"bfloat16"``)."""
+    try:
+        value_ = _MEGATRON_DTYPES.get(value, value) if isinstance(value, str) else value
+        name = np.dtype(value_).name if isinstance(value_, (str, type, np.dtype)) else None
+    except TypeError:
+        name = None
+    if name in MOMENT_DTYPES:
+        return str(name)
+    if name == "float16":
+        raise _err(
+            field,
+            value,
+            f"one of {MOMENT_DTYPES}; float16 is not offered: Adam's moments underflow its "
+            "range (squared gradients are often below 1e-8, its smallest subnormal is 6e-8) "
+            "and the update divides by the second moment's square root",
+            f"use {field}='bfloat16' (float32's exponent range, 8 bits of mantissa)",
+        )
+    raise _err(
+        field,
+        value,
+        f"a dtype name, one of {MOMENT_DTYPES} (Adam's moments' storage dtype)",
+        f"pass {field}='bfloat16' to store them in half the memory, or 'float32'",
+        TypeError if name is None else ValueError,
+    )
 
 
 def check_fields(cfg: Any) -> None:
@@ -278,6 +315,8 @@ def check_fields(cfg: Any) -> None:
         "use 'gemm' (GEMM and fused-attention outputs, the default), 'dots', 'everything' or "
         "'nothing'",
     )
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        object.__setattr__(cfg, name, _moment_dtype(name, getattr(cfg, name)))
     _check_choice(
         "model_state_sync",
         cfg.model_state_sync,

@@ -213,6 +213,19 @@ class DDPConfig:
             weights and optimizer state are sharded ``dp / N`` ways and replicated across
             instances; ``"optim"`` reduce-scatters it instead and shards them ``dp`` ways
             (1/dp per device), all-gathering the updated shard back across instances.
+        exp_avg_dtype: Megatron's name. Storage dtype of Adam's first moment (optax's
+            ``mu``): ``"float32"`` (default: as optax keeps it) or ``"bfloat16"`` (also
+            Megatron's ``"fp32"`` / ``"bf16"``). The moments are stored at this dtype,
+            sharded as the rest of the optimizer state, widened to float32 before each optax
+            update and rounded to nearest after it, so the arithmetic stays float32 (as in
+            Megatron's precision-aware optimizer; no stochastic rounding). Checkpoints keep the
+            dtype; restoring into an engine with another one casts. For optax's Adam-family
+            states (adam, adamw, nadam, lamb, amsgrad, adabelief, lion:
+            :data:`jaxdp._src.optim.known.MOMENT_STATES`); another optimizer is refused at
+            ``init``. ``"float16"`` is refused: the moments underflow its range
+            (docs/numerics.md).
+        exp_avg_sq_dtype: Megatron's name. The same for the second moment (optax's ``nu``,
+            and amsgrad's ``nu_max``). Lion keeps none: leave it ``"float32"`` there.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -251,6 +264,8 @@ class DDPConfig:
     check_for_large_grads: bool = False
     num_distributed_optimizer_instances: int = 1
     outer_dp_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
+    exp_avg_dtype: str = "float32"
+    exp_avg_sq_dtype: str = "float32"
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

@@ -14,6 +14,11 @@ latest one). Each process writes only the shards it holds.
 
 Beside the arrays a small JSON item records every saved leaf's path, shape and dtype, so that a
 checkpoint from another model is refused with the name of the first parameter that differs.
+
+Optimizer-state leaves are saved at the dtype the state holds them in (Adam's moments at
+``DDPConfig.exp_avg_dtype`` / ``exp_avg_sq_dtype``) and read back at that dtype, then cast to
+the restoring engine's: a bfloat16-moment checkpoint restores exactly into a float32-moment
+engine, and a float32 one into a bfloat16 engine rounds to nearest, as the step itself does.
 """
 
 from __future__ import annotations
@@ -369,6 +374,15 @@ class CheckpointManager:
             }
         else:
             canonical.pop("master", None)
+        # The optimizer state too (Adam's moments at DDPConfig.exp_avg_dtype / exp_avg_sq_dtype
+        # when saved): Strategy.from_canonical casts each leaf to this engine's dtype, exactly
+        # from bfloat16 to float32, rounded to nearest the other way.
+        canonical["opt_state"] = {
+            k: _saved_float(x, saved)
+            for (k, x), (_, _, saved) in zip(
+                canonical["opt_state"].items(), meta["opt_state"], strict=True
+            )
+        }
         # The gradient-norm history follows the checkpoint (whatever this engine keeps): read
         # as saved, kept where its buckets are this layout's, else started afresh.
         saved_history = meta.get("grad_history")
@@ -436,6 +450,15 @@ class CheckpointManager:
                 history = (saved["norms"], saved["count"])
             state = state._replace(grad_history=history)
         return state, c.get("rng")
+
+
+def _saved_float(x: Any, saved: str) -> Any:
+    """``x`` (abstract) at the floating dtype ``saved`` it was written in; ``x`` itself when
+    either is not floating (counts, keys: read as this engine has them)."""
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    if not floating or saved not in ("float64", "float32", "bfloat16", "float16"):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, jnp.dtype(saved))
 
 
 def _as_dict(tree: Any) -> dict[str, Any]:

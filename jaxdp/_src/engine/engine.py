@@ -350,6 +350,7 @@ class DataParallel:
             state.opt_state,
             target,
             strategy.spec.clip_grad,
+            strategy.state_policy,
         )
         step = state.step + 1
         if good is not None:

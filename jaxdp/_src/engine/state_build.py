@@ -123,7 +123,7 @@ def build_state(
             treedef, [jitted[k](x) for k, x in zip(plan.master, leaves, strict=True)]
         )
     target = work if master is None else master
-    opt_state = jax.jit(strategy.optimizer.init, out_shardings=shardings.opt_state)(target)
+    opt_state = jax.jit(strategy.init_opt, out_shardings=shardings.opt_state)(target)
     if model_state is not None or rng is not None:
         extras = jax.jit(
             lambda ms, k: (ms, k), out_shardings=(shardings.model_state, shardings.rng)

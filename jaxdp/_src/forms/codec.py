@@ -16,10 +16,15 @@ form:
 * :class:`BlockCodec`: a parameter split over tensor-parallel axes is ``[blocks, padded
   block]``, sharded ``P(model axes, data_axis)``
   (:class:`jaxdp._src.topology.sharding.ShardingPlan`).
+
+Beside the codecs, the :class:`StatePolicy` says each optimizer-state leaf's storage dtype
+(Adam's moments at the config's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``): what the state holds
+between steps and what the optax update computes with.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -28,9 +33,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..layout.layout import BucketLayout
+from ..optim.known import map_moments
 from ..topology.sharding import ShardingPlan
 
-__all__ = ["BlockCodec", "Codec", "InterleavedCodec", "MegatronCodec", "Owners", "ParamCodec"]
+__all__ = [
+    "BlockCodec",
+    "Codec",
+    "InterleavedCodec",
+    "MegatronCodec",
+    "Owners",
+    "ParamCodec",
+    "StatePolicy",
+]
 
 
 class Owners:
@@ -305,3 +319,54 @@ class BlockCodec(Codec):
         leaves = jax.tree_util.tree_leaves(local_view)
         rows = [x[0] if ls.axes else x for x, ls in zip(leaves, self.sharding.leaves, strict=True)]
         return jax.tree_util.tree_unflatten(self.layout.treedef, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePolicy:
+    """The storage dtype of each optimizer-state leaf (Adam's moments; the rest as optax
+    keeps them), and the dtype the update computes them in.
+
+    The plan builds one from the config's ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` once it has
+    checked that the optimizer's state has the moments
+    (:data:`jaxdp._src.optim.known.MOMENT_STATES`). The state holds them at :meth:`store`'s
+    dtypes between steps, sharded like any other optimizer-state leaf; the update reads them
+    through :meth:`load`, which widens them to ``compute`` (the master weights' dtype), so
+    that optax's arithmetic is the float32 arithmetic of an unnarrowed state, and the new
+    moments are rounded to nearest by :meth:`store` (Megatron's precision-aware optimizer
+    does the same; no stochastic rounding).
+
+    Attributes:
+        exp_avg: storage dtype of the first moments (``None``: as optax keeps them).
+        exp_avg_sq: the same for the second moments.
+        compute: the dtype :meth:`load` widens them to.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> policy = StatePolicy(exp_avg="bfloat16", exp_avg_sq="bfloat16")
+        >>> state = policy.store(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
+        >>> state[0].mu["w"].dtype, policy.load(state)[0].nu["w"].dtype
+        (dtype(bfloat16), dtype('float32'))
+    """
+
+    exp_avg: str | None = None
+    exp_avg_sq: str | None = None
+    compute: str = "float32"
+
+    @property
+    def narrows(self) -> bool:
+        """Whether any moment is stored narrower than optax keeps it (else a no-op)."""
+        return self.exp_avg is not None or self.exp_avg_sq is not None
+
+    def _dtypes(self) -> dict[str, Any]:
+        pairs = (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq))
+        return {role: jax.numpy.dtype(d) for role, d in pairs if d is not None}
+
+    def store(self, opt_state: Any) -> Any:
+        """``opt_state`` with its moments at their storage dtypes (rounded to nearest)."""
+        return map_moments(opt_state, self._dtypes()) if self.narrows else opt_state
+
+    def load(self, opt_state: Any) -> Any:
+        """The stored ``opt_state`` with its narrowed moments widened to ``compute``."""
+        if not self.narrows:
+            return opt_state
+        return map_moments(opt_state, {role: self.compute for role in self._dtypes()})

@@ -30,9 +30,11 @@ import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from optax._src import transform as _transform
 
-__all__ = ["known_elementwise"]
+__all__ = ["MOMENT_STATES", "known_elementwise", "map_moments", "moment_roles", "state_names"]
 
 # Factories whose functions (``<factory>.<locals>.init_fn`` / ``update_fn`` / helpers) treat
 # every element alike, or reduce whole tensors to norms (clipping, LAMB's trust ratio), keyed by
@@ -131,3 +133,106 @@ def known_elementwise(optimizer: Any, treedef: Any) -> bool:
     return walk.function(getattr(optimizer, "init", None)) and walk.function(
         getattr(optimizer, "update", None)
     )
+
+
+# ------------------------------------------------------------------ Adam's moments
+#: The optax states whose leaves are Adam's moments, by state class: field -> role, in
+#: Megatron's names (``exp_avg`` the first moment, ``exp_avg_sq`` the second). Keyed by the
+#: state class rather than by the transformation, so that what wraps a transformation (chain,
+#: masked, inject_hyperparams, MultiSteps...) is seen through. Every optax transformation that
+#: returns one of these states keeps its moments in them; casting them is safe for the update
+#: because :func:`map_moments` is applied both ways around it (stored narrow, computed wide).
+MOMENT_STATES: dict[type, dict[str, str]] = {
+    # adam, adamw, nadam, nadamw, lamb, radam, adamax, yogi
+    _transform.ScaleByAdamState: {"mu": "exp_avg", "nu": "exp_avg_sq"},
+    # amsgrad: its running maximum of nu is a second moment too
+    _transform.ScaleByAmsgradState: {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "exp_avg_sq"},
+    # adabelief: nu is the second moment of (g - mu)
+    _transform.ScaleByBeliefState: {"mu": "exp_avg", "nu": "exp_avg_sq"},
+    # lion: one moment
+    _transform.ScaleByLionState: {"mu": "exp_avg"},
+}
+
+
+def _is_moment_state(x: Any) -> bool:
+    return type(x) in MOMENT_STATES
+
+
+def _floating(x: Any) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def moment_roles(opt_state: Any) -> set[str]:
+    """The roles (``"exp_avg"``, ``"exp_avg_sq"``) of the moments an (abstract) optax state
+    holds (:data:`MOMENT_STATES`).
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> p = {"w": jnp.zeros(3)}
+    >>> sorted(moment_roles(jax.eval_shape(optax.adamw(1e-3).init, p)))
+    ['exp_avg', 'exp_avg_sq']
+    >>> sorted(moment_roles(jax.eval_shape(optax.lion(1e-3).init, p)))
+    ['exp_avg']
+    >>> moment_roles(jax.eval_shape(optax.sgd(1e-3, momentum=0.9).init, p))
+    set()
+    """
+    found: set[str] = set()
+
+    def visit(x: Any) -> Any:
+        for name, role in MOMENT_STATES.get(type(x), {}).items():
+            if any(_floating(v) for v in jax.tree.leaves(getattr(x, name))):
+                found.add(role)
+        return x
+
+    jax.tree.map(visit, opt_state, is_leaf=_is_moment_state)
+    return found
+
+
+def map_moments(opt_state: Any, dtypes: dict[str, Any]) -> Any:
+    """``opt_state`` with every floating moment leaf of role ``r`` cast to ``dtypes[r]`` (roles
+    not in ``dtypes``, and every other leaf, unchanged). Works on arrays and tracers.
+
+    >>> import jax.numpy as jnp, optax
+    >>> s = map_moments(optax.adam(1e-3).init({"w": jnp.zeros(3)}), {"exp_avg_sq": jnp.bfloat16})
+    >>> s[0].mu["w"].dtype, s[0].nu["w"].dtype
+    (dtype('float32'), dtype(bfloat16))
+    """
+
+    def cast(x: Any, dtype: Any) -> Any:
+        return x.astype(dtype) if _floating(x) and x.dtype != dtype else x
+
+    def visit(x: Any) -> Any:
+        fields = MOMENT_STATES.get(type(x))
+        if fields is None:
+            return x
+        changes = {
+            name: jax.tree.map(lambda v, d=dtypes[role]: cast(v, d), getattr(x, name))
+            for name, role in fields.items()
+            if role in dtypes
+        }
+        return x._replace(**changes)
+
+    return jax.tree.map(visit, opt_state, is_leaf=_is_moment_state)
+
+
+def state_names(opt_state: Any) -> list[str]:
+    """The class names of the NamedTuple states in ``opt_state``, in order, for messages.
+
+    >>> import jax.numpy as jnp, optax
+    >>> state_names(optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(2)}))
+    ['TraceState', 'EmptyState']
+    """
+    names: list[str] = []
+
+    def named(x: Any) -> bool:
+        return isinstance(x, tuple) and hasattr(x, "_fields")
+
+    def visit(x: Any) -> Any:
+        if named(x):
+            if type(x).__name__ not in names:
+                names.append(type(x).__name__)
+            for v in x:
+                jax.tree.map(visit, v, is_leaf=named)
+        return x
+
+    jax.tree.map(visit, opt_state, is_leaf=named)
+    return names

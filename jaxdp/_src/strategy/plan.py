@@ -37,9 +37,17 @@ from ..comm.public import wire_of
 from ..comm.wire import Wire
 from ..config.config import DDPConfig
 from ..core.loss import UnboundAxis
-from ..forms.codec import BlockCodec, Codec, InterleavedCodec, MegatronCodec, ParamCodec
+from ..forms.codec import (
+    BlockCodec,
+    Codec,
+    InterleavedCodec,
+    MegatronCodec,
+    ParamCodec,
+    StatePolicy,
+)
 from ..layout.layout import BucketLayout, rules_of
 from ..optim.check import check_optimizer
+from ..optim.known import MOMENT_STATES, moment_roles, state_names
 from ..topology.group import ReductionGroup
 from ..topology.sharding import ShardingPlan
 from ..zero3.dot_operands import name_batched_dot_operands
@@ -71,6 +79,7 @@ __all__ = [
     "per_parameter_all_reduce",
     "per_parameter_collectives",
     "reduces_per_parameter",
+    "state_policy",
 ]
 
 
@@ -339,6 +348,58 @@ def _codecs(
     return plain, view_cls(layout, sharding, group.shard_axes)
 
 
+_MOMENT_FIELDS = {"exp_avg": "exp_avg_dtype", "exp_avg_sq": "exp_avg_sq_dtype"}
+_MOMENT_WORDS = {"exp_avg": "first moments", "exp_avg_sq": "second moments"}
+
+
+def state_policy(
+    config: DDPConfig, optimizer: optax.GradientTransformation, layout: BucketLayout
+) -> StatePolicy:
+    """The storage dtypes of the optimizer's moments (:class:`StatePolicy`), from
+    ``DDPConfig.exp_avg_dtype`` / ``exp_avg_sq_dtype``. ``"float32"`` leaves a moment as optax
+    keeps it; a narrower dtype needs the optimizer's state to hold moments of that role
+    (:data:`jaxdp._src.optim.known.MOMENT_STATES`), else a ``ValueError`` names the field,
+    before anything compiles (the state's structure comes from ``jax.eval_shape``)."""
+    asked = {
+        role: getattr(config, field)
+        for role, field in _MOMENT_FIELDS.items()
+        if getattr(config, field) != "float32"
+    }
+    if not asked:
+        return StatePolicy()
+    wide = any(s.dtype == "float64" for s in layout.slots)
+    master = jnp.float64 if wide else jnp.float32
+    abstract = jax.eval_shape(
+        optimizer.init,
+        jax.tree_util.tree_unflatten(
+            layout.treedef, [jax.ShapeDtypeStruct(s.shape, master) for s in layout.slots]
+        ),
+    )
+    roles = moment_roles(abstract)
+    for role, dtype in asked.items():
+        if role in roles:
+            continue
+        field = _MOMENT_FIELDS[role]
+        known = ", ".join(
+            f"{cls.__name__} ({'/'.join(sorted(set(f.values())))})"
+            for cls, f in MOMENT_STATES.items()
+        )
+        found = ", ".join(state_names(abstract)) or "no optax state classes"
+        raise ValueError(
+            f"DataParallel.init: DDPConfig.{field}={dtype!r} asks to store Adam's "
+            f"{_MOMENT_WORDS[role]} in {dtype}, but this optimizer's state holds none that "
+            f"jaxdp can map (its state: {found}). jaxdp maps the moments of optax's {known}: "
+            "adam, adamw, nadam, lamb, amsgrad, adabelief, lion (first moment only) and the "
+            f"wrappers around them. Fix: leave {field}='float32' for this optimizer, or use "
+            "an Adam-family optax optimizer."
+        )
+    return StatePolicy(
+        exp_avg=asked.get("exp_avg"),
+        exp_avg_sq=asked.get("exp_avg_sq"),
+        compute=jnp.dtype(master).name,
+    )
+
+
 def _strategy(
     config: DDPConfig,
     layout: BucketLayout,
@@ -375,6 +436,7 @@ def _strategy(
         sharding=sharding,
         group=group,
         optimizer=optimizer,
+        state_policy=state_policy(config, optimizer, layout),
         ops=_ops(config, wire, layout, group, sharding, divisor),
         # The step is manual over the group's axes; on a mesh whose other axes hold no split
         # parameter, over all of them (the params are whole there).

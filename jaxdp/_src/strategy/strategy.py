@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from ..comm.order import after
 from ..core.loss import LossCall, loss_parts
 from ..core.state import TrainState
-from ..forms.codec import Codec
+from ..forms.codec import Codec, StatePolicy
 from ..layout.layout import BucketLayout
 from ..topology.group import ReductionGroup
 from ..topology.sharding import ShardingPlan
@@ -73,6 +73,9 @@ class Strategy:
             :class:`jaxdp._src.strategy.spec.StepSpec`).
         master_codec: the form of ``master`` and the optimizer state (and of the reduced
             gradients the step hands the optimizer).
+        state_policy: the optimizer state's storage dtypes
+            (:class:`jaxdp._src.forms.codec.StatePolicy`: Adam's moments at
+            the config's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``).
         params_codec: the form of the working params between steps.
         has_master: whether ``TrainState.master`` exists (``False`` only at stage 0 with
             params already in the master dtype).
@@ -102,6 +105,7 @@ class Strategy:
         sharding: ShardingPlan,
         group: ReductionGroup,
         optimizer: optax.GradientTransformation,
+        state_policy: StatePolicy,
         ops: Any,
         kernel: Callable[..., Any],
         master_codec: Codec,
@@ -110,6 +114,7 @@ class Strategy:
     ):
         self.spec, self.layout, self.sharding, self.group = spec, layout, sharding, group
         self.optimizer, self.ops, self.make_kernel = optimizer, ops, kernel
+        self.state_policy = state_policy
         self.master_codec, self.params_codec = master_codec, params_codec
         self.axis_names = axis_names  # the step's manual axes
         self.master_dtype = (
@@ -147,8 +152,12 @@ class Strategy:
             step=jnp.zeros((), jnp.int32),
             params=work,
             master=master,
-            opt_state=self.optimizer.init(target),
+            opt_state=self.init_opt(target),
         )
+
+    def init_opt(self, target: Any) -> Any:
+        """The optimizer's initial state for ``target``, at the policy's storage dtypes."""
+        return self.state_policy.store(self.optimizer.init(target))
 
     def state_shardings(self, abstract: TrainState) -> TrainState:
         """The ``NamedSharding`` of every leaf of an (abstract) state."""

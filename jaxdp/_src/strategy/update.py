@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from ..forms.codec import StatePolicy
+
 __all__ = ["clip_by_norm", "gather_params", "optimizer_update"]
 
 
@@ -36,13 +38,18 @@ def optimizer_update(
     opt_state: Any,
     target: Any,
     clip_grad: float | None,
+    policy: StatePolicy,
 ) -> tuple[Any, Any]:
     """Cast, clip and apply one optax update to ``target`` (master weights, or the params when
-    there is no master copy). Returns ``(new_target, new_opt_state)``."""
+    there is no master copy). Returns ``(new_target, new_opt_state)``.
+
+    ``policy``: the optimizer state's storage dtypes. Narrowed moments are widened before
+    optax sees them, so that its update computes in the master's dtype (optax casts the new
+    second moment to the dtype of the one it was given), and rounded to nearest after it."""
     grads = jax.tree.map(lambda gr, t: gr.astype(t.dtype), grads, target)
     grads = clip_by_norm(grads, norm, clip_grad)
-    updates, opt_state = optimizer.update(grads, opt_state, target)
-    return optax.apply_updates(target, updates), opt_state
+    updates, opt_state = optimizer.update(grads, policy.load(opt_state), target)
+    return optax.apply_updates(target, updates), policy.store(opt_state)
 
 
 def gather_params(view: Any, last: Any, view_codec: Any, param_codec: Any, ops: Any) -> Any:
