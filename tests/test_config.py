@@ -32,6 +32,8 @@ BAD_VALUES = [
     ("grad_norm_skip_threshold", float("inf"), ValueError, "a positive, finite float"),
     ("grad_norm_skip_threshold", "10", TypeError, "None (off) or a positive float"),
     ("check_for_large_grads", 1, TypeError, "a bool"),
+    ("num_buckets", 0, ValueError, "an int >= 1"),
+    ("num_buckets", 2.0, TypeError, "an int >= 1 (buckets per buffer)"),
     ("num_microbatches", 0, ValueError, "an int >= 1"),
     ("num_microbatches", 2.0, TypeError, "a positive int"),
     ("calculate_per_token_loss", "true", TypeError, "a bool"),

@@ -111,16 +111,17 @@ def compile_step(
         True
     """
     _check_engine("compile_step", dp)
-    if isinstance(compiler_options, str):
-        if compiler_options != "jaxdp":
-            raise ValueError(
-                f"compile_step: compiler_options={compiler_options!r}; expected 'jaxdp', None "
-                "or a dict of XLA options. Fix: pass compiler_options='jaxdp' for jaxdp's flags."
-            )
-        opts: dict[str, Any] | None = xla_compiler_options(dp.config, dp_size=dp.dp)
-    else:
-        opts = compiler_options
+    if isinstance(compiler_options, str) and compiler_options != "jaxdp":
+        raise ValueError(
+            f"compile_step: compiler_options={compiler_options!r}; expected 'jaxdp', None "
+            "or a dict of XLA options. Fix: pass compiler_options='jaxdp' for jaxdp's flags."
+        )
     state = abstract_state(dp, params, batch)  # builds the plan
+    opts: dict[str, Any] | None
+    if compiler_options == "jaxdp":  # the thresholds follow the bucket size the layout chose
+        opts = xla_compiler_options(dp.config, dp_size=dp.dp, bucket_numel=dp.layout.bucket_size)
+    else:
+        opts = compiler_options  # type: ignore[assignment]
     if opts:  # these win over the engine's: keep the passes its collectives need off
         opts = with_passes_off(opts, dp.plan.passes_off)
     with warnings.catch_warnings():

@@ -189,6 +189,25 @@ def check_fields(cfg: Any) -> None:
             )
         object.__setattr__(cfg, "bucket_size", int(bs))
 
+    nb = cfg.num_buckets
+    if nb is not None:
+        if isinstance(nb, bool) or not isinstance(nb, (int, np.integer)):
+            raise _err(
+                "num_buckets",
+                nb,
+                "None (buckets by bucket_size) or an int >= 1 (buckets per buffer)",
+                "pass e.g. num_buckets=4",
+                TypeError,
+            )
+        if nb < 1:
+            raise _err(
+                "num_buckets",
+                nb,
+                "an int >= 1 (buckets per buffer; 1 = one bucket per buffer)",
+                "pass e.g. num_buckets=4, or None to size buckets by bucket_size",
+            )
+        object.__setattr__(cfg, "num_buckets", int(nb))
+
     for name in (
         "overlap_grad_reduce",
         "average_in_collective",
@@ -354,6 +373,15 @@ def _check_choice(field: str, value: Any, choices: tuple[str, ...], what: str, f
 
 def check_combinations(cfg: Any) -> None:
     """Check the fields of the ``DDPConfig`` ``cfg`` against each other."""
+    if cfg.num_buckets is not None and cfg.bucket_size != AUTO_BUCKET_SIZE:
+        raise _err(
+            "num_buckets",
+            cfg.num_buckets,
+            f"bucket_size='auto' (the default): num_buckets sizes the buckets instead of "
+            f"bucket_size, and bucket_size={cfg.bucket_size!r} sizes them too (Megatron "
+            "asserts the same)",
+            "keep only one: drop bucket_size (or set it to 'auto'), or drop num_buckets",
+        )
     if cfg.reduce_scatter_with_fp32_accumulation:
         if cfg.zero_stage == 0:
             raise _err(

@@ -226,6 +226,14 @@ class DDPConfig:
             (docs/numerics.md).
         exp_avg_sq_dtype: Megatron's name. The same for the second moment (optax's ``nu``,
             and amsgrad's ``nu_max``). Lion keeps none: leave it ``"float32"`` there.
+        num_buckets: Megatron's name. Cut each buffer into this many buckets of about equal
+            size instead of closing them at ``bucket_size``: bucket boundaries stay at
+            parameter boundaries, a bucket closes after the parameter that reaches the next
+            ``1/num_buckets`` of the buffer, so there are ``num_buckets`` of them when no
+            parameter is larger than that share (fewer otherwise). Replaces
+            ``bucket_size="auto"``; with an explicit ``bucket_size`` (an int, or ``None``)
+            it is an error. ``overlap_grad_reduce=False`` still makes each buffer one bucket.
+            ``None`` (default): buckets by ``bucket_size``.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -266,6 +274,7 @@ class DDPConfig:
     outer_dp_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
     exp_avg_dtype: str = "float32"
     exp_avg_sq_dtype: str = "float32"
+    num_buckets: int | None = None
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -300,9 +309,11 @@ class DDPConfig:
         """The bucket size in elements for ``dp_size`` ranks (``None`` = one bucket per buffer).
 
         ``"auto"`` becomes ``max(40_000_000, 1_000_000 * dp_size)``; with
-        ``overlap_grad_reduce=False`` every buffer is a single bucket, as in Megatron.
+        ``overlap_grad_reduce=False`` every buffer is a single bucket, as in Megatron. With
+        ``num_buckets`` the size depends on the params, so this is ``None`` and the layout
+        cuts the buckets (:attr:`jaxdp.BucketLayout.bucket_size` is the size it chose).
         """
-        if not self.overlap_grad_reduce or self.bucket_size is None:
+        if not self.overlap_grad_reduce or self.bucket_size is None or self.num_buckets:
             return None
         if self.bucket_size == AUTO_BUCKET_SIZE:
             return default_bucket_size(dp_size)

@@ -101,9 +101,19 @@ class DataParallel:
         self.mesh, self.group = _mesh_and_group(mesh, config)
         self.dp = self.group.size  # |data| (x |expert| with expert parallelism)
         self.donate = donate
-        first = self.mesh.devices.flat[0]
-        self.compiler_options = engine_compiler_options(
-            compiler_options, config, dp_size=self.dp, platform=self.group.platform, device=first
+        self._options_asked = compiler_options
+        #: the options the step compiles with (with ``num_buckets`` and ``"jaxdp"``: set by
+        #: ``init``, as the combine thresholds follow the bucket size the layout chose)
+        self.compiler_options = (
+            None
+            if self._options_follow_layout()
+            else engine_compiler_options(
+                compiler_options,
+                config,
+                dp_size=self.dp,
+                platform=self.group.platform,
+                device=self.mesh.devices.flat[0],
+            )
         )
         self._plan: Plan | None = None
         #: the host-side checks every batch passes before the step sees it
@@ -215,6 +225,15 @@ class DataParallel:
             example_batch=example_batch,
             previous=self._plan,
         )
+        if self._options_follow_layout():
+            self.compiler_options = engine_compiler_options(
+                self._options_asked,
+                self.config,
+                dp_size=self.dp,
+                platform=self.group.platform,
+                device=self.mesh.devices.flat[0],
+                bucket_numel=self._plan.layout.bucket_size,
+            )
         # Without an example batch, stacks were not looked for: the first batch tells.
         undetected = example_batch is None and self._plan.finds_stacks
         self.batch_guard.first_batch = (
@@ -246,6 +265,11 @@ class DataParallel:
                 return state
             return state._replace(grad_history=jax.device_put(history, replicated))
         return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
+
+    def _options_follow_layout(self) -> bool:
+        """Whether jaxdp's compiler options need the layout: its combine thresholds are sized
+        by the bucket size, which ``num_buckets`` derives from the params."""
+        return self._options_asked == "jaxdp" and self.config.num_buckets is not None
 
     def _replicate_uncommitted(self, params: Any) -> Any:
         """Uncommitted single-device params (what ``model.init`` returns) go onto the mesh

@@ -64,6 +64,9 @@ class LayoutRules:
         grad_reduce_in_fp32: gradients are reduced (and bucketed) in fp32.
         high_nccl_busbw: Megatron's bucket-end padding for high NCCL bus bandwidth.
         own_bucket_param_patterns: ``fnmatch`` patterns of params that get a bucket each.
+        num_buckets: cut each buffer into this many buckets of about equal size instead of
+            closing them at ``bucket_size`` (:func:`jaxdp._src.layout.placement.place`);
+            ``None``: by ``bucket_size``.
     """
 
     kind: str
@@ -72,6 +75,7 @@ class LayoutRules:
     grad_reduce_in_fp32: bool = False
     high_nccl_busbw: bool = False
     own_bucket_param_patterns: tuple[str, ...] = ()
+    num_buckets: int | None = None
 
     def owns_bucket(self, path: str) -> bool:
         """Whether the parameter at ``path`` matches ``own_bucket_param_patterns``."""
@@ -98,6 +102,8 @@ def rules_of(config: DDPConfig, dp_size: int) -> LayoutRules:
         grad_reduce_in_fp32=config.grad_reduce_in_fp32,
         high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
         own_bucket_param_patterns=tuple(config.own_bucket_param_patterns),
+        # Megatron: without overlap every buffer is one bucket, whatever sizes them
+        num_buckets=config.num_buckets if config.overlap_grad_reduce else None,
     )
 
 
@@ -115,7 +121,10 @@ class BucketLayout(LayoutViews):
         treedef: tree structure of the params.
         kind: ``"contiguous"``, ``"megatron"`` or ``"interleaved"`` (module docstring).
         dp_size: number of data-parallel ranks.
-        bucket_size: resolved bucket size in elements (``None`` = one bucket per buffer).
+        bucket_size: resolved bucket size in elements (``None`` = one bucket per buffer). With
+            ``num_buckets``: the size its largest buffer's buckets were cut to (that buffer's
+            elements over ``num_buckets``, rounded up), what the XLA combine thresholds are
+            sized by (:func:`jaxdp.combine_thresholds`'s ``bucket_numel``).
         slots: one :class:`ParamSlot` per leaf, in leaf order.
         buffers: the :class:`Buffer` objects.
         buckets: the :class:`Bucket` objects, buffer by buffer.
@@ -123,6 +132,7 @@ class BucketLayout(LayoutViews):
             layer (:mod:`jaxdp._src.layout.stacked`; ZeRO-3 gathers them one layer per scan
             iteration).
             Each gets a bucket of its own; empty unless given to :meth:`from_params`.
+        num_buckets: ``DDPConfig.num_buckets`` when it cut the buffers (else ``None``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -144,6 +154,7 @@ class BucketLayout(LayoutViews):
     buffers: tuple[Buffer, ...]
     buckets: tuple[Bucket, ...]
     stacked: tuple[tuple[int, int], ...] = ()
+    num_buckets: int | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -162,8 +173,8 @@ class BucketLayout(LayoutViews):
             params: the parameter pytree.
             config: a :class:`DDPConfig`; uses ``zero_stage``, ``bucket_size``,
                 ``overlap_grad_reduce``, ``grad_reduce_in_fp32``, ``param_dtype``,
-                ``pad_buckets_for_high_nccl_busbw``, ``own_bucket_param_patterns`` and
-                ``bucket_layout``.
+                ``pad_buckets_for_high_nccl_busbw``, ``own_bucket_param_patterns``,
+                ``bucket_layout`` and ``num_buckets``.
             dp_size: number of data-parallel ranks (>= 1).
             stacked: optional ``{leaf index: stacked axis}`` of layer stacks to lay out per
                 layer (interleaved layouts only; each gets a bucket of its own).
@@ -250,6 +261,7 @@ class BucketLayout(LayoutViews):
                 dp_size,
                 bucket_size,
                 rules.high_nccl_busbw,
+                rules.num_buckets,
             )
             ordered = list(reversed(members))
             per_bucket: dict[int, list[int]] = {}
@@ -287,6 +299,9 @@ class BucketLayout(LayoutViews):
                     shard_axes=axes,
                 )
             )
+        if rules.num_buckets is not None:  # the size the largest buffer's buckets were cut to
+            largest = max(b.numel_unpadded for b in buffers)
+            bucket_size = -(-largest // rules.num_buckets)
         return cls(
             treedef=treedef,
             kind=kind,
@@ -297,6 +312,7 @@ class BucketLayout(LayoutViews):
             buffers=tuple(buffers),
             buckets=tuple(buckets),
             stacked=tuple(sorted(stacked.items())),
+            num_buckets=rules.num_buckets,
         )
 
     # ------------------------------------------------------------------ queries
@@ -338,7 +354,8 @@ class BucketLayout(LayoutViews):
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = [
             f"BucketLayout(kind={self.kind}, dp={self.dp_size}, bucket_size={self.bucket_size}, "
-            f"params={len(self.slots)}, elements={self.num_params:,})"
+            + (f"num_buckets={self.num_buckets}, " if self.num_buckets is not None else "")
+            + f"params={len(self.slots)}, elements={self.num_params:,})"
         ]
         for j, r in enumerate(rows):
             lines.append("  ".join(v.rjust(w) for v, w in zip(r, widths)))

@@ -145,12 +145,20 @@ def place(
     dp: int,
     bucket_size: int | None,
     busbw: bool,
+    num_buckets: int | None = None,
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """Place ``(shape, own_bucket)`` entries (already in layout order) into buckets.
 
     Returns ``(bucket, start, end)`` per entry and ``(start, end, unpadded_end)`` per bucket, in
     buffer coordinates. Follows Megatron's ``_compute_per_buffer_param_layout`` (distributed
     optimizer) and ``_compute_default_per_buffer_param_layout`` (no padding).
+
+    ``num_buckets=k`` (instead of ``bucket_size``) cuts the buffer into ``k`` buckets of about
+    equal size: with ``T`` the buffer's elements over ``k``, a bucket closes after the
+    parameter that reaches the next multiple of ``T`` (counted from the buffer's start), so
+    each bucket differs from ``T`` by less than its largest parameter, and there are exactly
+    ``k`` buckets when no parameter is larger than ``T`` (fewer otherwise; a parameter of
+    its own bucket adds one).
     """
     # Element counts are multiplied by `scale` to compare against bucket_size: interleaved
     # coordinates are columns of a [dp, S] matrix.
@@ -165,6 +173,19 @@ def place(
         if kind == "interleaved":
             return pad_bucket_end(x * dp, dp, busbw) // dp
         return x
+
+    if num_buckets is not None:
+        total = (
+            sum(
+                -(-math.prod(p[0]) // dp) if kind == "interleaved" else math.prod(p[0])
+                for p in params
+            )
+            * scale
+        )
+        k = int(num_buckets)
+
+        def target(x: int) -> int:  # how many of the k - 1 inner cut points x has reached
+            return min(k * x * scale // max(total, 1), k - 1)
 
     placed: list[tuple[int, int, int]] = []
     spans: list[tuple[int, int, int]] = []
@@ -191,7 +212,10 @@ def place(
         end = start + width
         placed.append((len(spans), start, end))
         n_in_bucket += 1
-        full = bucket_size is not None and (end - bucket_start) * scale >= bucket_size
+        if num_buckets is not None:
+            full = target(end) > target(bucket_start)
+        else:
+            full = bucket_size is not None and (end - bucket_start) * scale >= bucket_size
         if full or own:
             bucket_start = close(end)
             n_in_bucket = 0

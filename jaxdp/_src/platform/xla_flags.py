@@ -74,7 +74,24 @@ def _check_dp(dp_size: int | None) -> int | None:
     return int(dp_size)
 
 
-def combine_thresholds(config: DDPConfig, *, dp_size: int | None = None) -> dict[str, int]:
+def _check_numel(bucket_numel: int | None) -> int | None:
+    if bucket_numel is None:
+        return None
+    if (
+        isinstance(bucket_numel, bool)
+        or not isinstance(bucket_numel, (int, np.integer))
+        or bucket_numel < 1
+    ):
+        raise ValueError(
+            f"combine_thresholds: bucket_numel={bucket_numel!r}; expected a positive int (the "
+            "layout's bucket size in elements) or None. Fix: pass engine.layout.bucket_size."
+        )
+    return int(bucket_numel)
+
+
+def combine_thresholds(
+    config: DDPConfig, *, dp_size: int | None = None, bucket_numel: int | None = None
+) -> dict[str, int]:
     """Combine thresholds (bytes) under which no two full buckets of ``config`` fit.
 
     A bucket holds at least ``bucket_size`` elements (only the last one of a buffer, and the own
@@ -96,6 +113,13 @@ def combine_thresholds(config: DDPConfig, *, dp_size: int | None = None) -> dict
     bound, when ``dp_size`` is unknown). Returns ``{}`` when the config asks for one bucket per
     buffer (``bucket_size=None`` or ``overlap_grad_reduce=False``): nothing to keep apart.
 
+    ``bucket_numel``: the bucket size the layout chose, when the config alone cannot say it
+    (:attr:`jaxdp.BucketLayout.bucket_size`): with ``num_buckets`` it depends on the params
+    (the largest buffer's elements over ``num_buckets``), and it is needed; the engine
+    passes its layout's. With ``num_buckets`` a bucket can be a little smaller than that
+    size (each differs from it by less than its largest parameter), but any two consecutive
+    buckets together exceed it.
+
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, param_dtype="bfloat16",
         ...                 grad_reduce_in_fp32=True)
@@ -110,9 +134,21 @@ def combine_thresholds(config: DDPConfig, *, dp_size: int | None = None) -> dict
             "jaxdp.DDPConfig. Fix: pass the config given to DataParallel."
         )
     dp = _check_dp(dp_size)
+    given = _check_numel(bucket_numel)
     if not config.overlap_grad_reduce or config.bucket_size is None:
         return {}
-    if config.bucket_size == AUTO_BUCKET_SIZE:
+    if config.num_buckets is not None and given is None:
+        raise ValueError(
+            f"combine_thresholds: config.num_buckets={config.num_buckets} sizes the buckets "
+            "from the params, which the config does not know; expected bucket_numel=<the "
+            "layout's bucket size in elements>. Fix: pass bucket_numel="
+            "jaxdp.BucketLayout.from_params(params, config, dp_size).bucket_size (params may "
+            "be jax.ShapeDtypeStruct leaves), or use DataParallel(compiler_options='jaxdp'), "
+            "which passes its layout's."
+        )
+    if given is not None:
+        elems = given
+    elif config.bucket_size == AUTO_BUCKET_SIZE:
         elems = default_bucket_size(dp or 1)
     else:
         elems = int(config.bucket_size)
@@ -142,6 +178,7 @@ def xla_compiler_options(
     *,
     dp_size: int | None = None,
     latency_hiding_scheduler: bool = True,
+    bucket_numel: int | None = None,
 ) -> dict[str, bool | int]:
     """The settings of :func:`xla_flags` as per-executable XLA compiler options.
 
@@ -155,7 +192,7 @@ def xla_compiler_options(
     """
     version = _resolve_version(jaxlib_version)  # checked below, once the names are known
     opts: dict[str, bool | int] = {}
-    opts.update(combine_thresholds(config, dp_size=dp_size))
+    opts.update(combine_thresholds(config, dp_size=dp_size, bucket_numel=bucket_numel))
     if latency_hiding_scheduler:
         opts["xla_gpu_enable_latency_hiding_scheduler"] = True
     # Pinned to their defaults: a future default change must not undo the buckets' overlap.
@@ -191,6 +228,7 @@ def xla_flags(
     *,
     dp_size: int | None = None,
     latency_hiding_scheduler: bool = True,
+    bucket_numel: int | None = None,
 ) -> list[str]:
     """XLA GPU flags that keep ``config``'s buckets intact and overlappable.
 
@@ -209,6 +247,8 @@ def xla_flags(
         dp_size: size of the data axis; makes the reduce-scatter threshold exact and resolves
             ``bucket_size="auto"``.
         latency_hiding_scheduler: add ``--xla_gpu_enable_latency_hiding_scheduler=true``.
+        bucket_numel: the layout's bucket size in elements, where the config alone cannot
+            say it (``num_buckets``; see :func:`combine_thresholds`).
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=4_000_000, param_dtype="bfloat16")
@@ -222,7 +262,11 @@ def xla_flags(
         --xla_gpu_experimental_enable_heuristic_collective_combining=false
     """
     opts = xla_compiler_options(
-        config, jaxlib_version, dp_size=dp_size, latency_hiding_scheduler=latency_hiding_scheduler
+        config,
+        jaxlib_version,
+        dp_size=dp_size,
+        latency_hiding_scheduler=latency_hiding_scheduler,
+        bucket_numel=bucket_numel,
     )
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in opts.items()]
 
@@ -285,6 +329,7 @@ def engine_compiler_options(
     dp_size: int,
     platform: str,
     device: Any = None,
+    bucket_numel: int | None = None,
 ) -> dict[str, bool | int] | None:
     """``DataParallel(compiler_options=...)`` resolved into the step's ``jax.jit`` options.
 
@@ -293,7 +338,8 @@ def engine_compiler_options(
     names (the process's flags win, as with :func:`apply_xla_flags`); nothing on other
     platforms, as every option is an XLA GPU one. On a jaxlib newer than the flag table, the
     options it was not seen to accept are first tried on ``device`` (:func:`known_options`).
-    A dict: exactly those options.
+    A dict: exactly those options. ``bucket_numel``: the layout's bucket size
+    (:func:`combine_thresholds`; the engine passes it with ``num_buckets``).
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000)
@@ -323,7 +369,7 @@ def engine_compiler_options(
     if platform not in ("gpu", "cuda", "rocm"):
         return None
     taken = _set_in_xla_flags()
-    mine = xla_compiler_options(config, dp_size=dp_size)
+    mine = xla_compiler_options(config, dp_size=dp_size, bucket_numel=bucket_numel)
     opts = {k: v for k, v in mine.items() if k not in taken}
     version = _resolve_version(None)
     seen = SEEN_ACCEPTED.get(version[:3], frozenset())
@@ -369,12 +415,14 @@ def apply_xla_flags(
     *,
     dp_size: int | None = None,
     latency_hiding_scheduler: bool = True,
+    bucket_numel: int | None = None,
 ) -> list[str]:
     """Add :func:`xla_flags` to the ``XLA_FLAGS`` environment variable, before XLA starts.
 
     Must run before the first backend starts (before ``jax.devices()``, the first array or the
     first compilation; importing jax is fine), because XLA reads ``XLA_FLAGS`` only then. Flags
-    already in ``XLA_FLAGS`` win over jaxdp's. Returns the flags it added.
+    already in ``XLA_FLAGS`` win over jaxdp's. Returns the flags it added. With
+    ``num_buckets``, pass ``bucket_numel`` (:func:`combine_thresholds`).
 
     Raises:
         RuntimeError: a JAX backend has already started, so the flags would be silently ignored.
@@ -405,7 +453,11 @@ def apply_xla_flags(
             "lowered.compile(), which works at any time."
         )
     flags = xla_flags(
-        config, jaxlib_version, dp_size=dp_size, latency_hiding_scheduler=latency_hiding_scheduler
+        config,
+        jaxlib_version,
+        dp_size=dp_size,
+        latency_hiding_scheduler=latency_hiding_scheduler,
+        bucket_numel=bucket_numel,
     )
     current = os.environ.get("XLA_FLAGS", "").split()
     present = _set_in_xla_flags()

@@ -184,7 +184,9 @@ def zero3_scan_value_and_grad(
         n_layers = s.shape[ax]
         mdt = jnp.result_type(jnp.float32, acc_dt, layout.buckets[s.bucket].dtype)
         info[i] = (n_layers, (s.end - s.start) // max(n_layers, 1), mdt)
-    one_layer = rules.replace(bucket_size=None, high_nccl_busbw=False, own_bucket_param_patterns=())
+    one_layer = rules.replace(
+        bucket_size=None, num_buckets=None, high_nccl_busbw=False, own_bucket_param_patterns=()
+    )
     layer_layouts: dict[tuple[int, ...], BucketLayout] = {}
 
     def gather(rows: dict[int, jax.Array]) -> dict[int, jax.Array]:
