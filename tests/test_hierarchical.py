@@ -257,3 +257,80 @@ def test_compiled_outer_reduction_runs_once_per_step(h100, stage, strategy):
     assert any(op == want for op, _, _ in big)
     if stage >= 2:  # stages 2-3 reduce within the instance in every micro-batch
         assert any(in_loop for _, in_loop, _ in inner)
+
+
+# --------------------------------------------------------------- a two-level mesh you pass
+def _pmean_loss(axes):
+    """A loss with a model collective over the whole data-parallel group (``axes``): each
+    prediction is centred on the global mean prediction, like a BatchNorm over the group."""
+
+    def loss(params, batch):
+        from _models import mlp_apply
+
+        pred = mlp_apply(params, batch["x"])
+        mu = jax.lax.pmean(jnp.mean(pred, axis=0), axes)
+        return jnp.mean((pred - mu - batch["y"]) ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_two_level_data_axis_with_a_model_collective(stage, strategy):
+    """MaxText's DCN x ICI mesh, data_axis=("dcn", "ici"): the instances are the mesh's outer
+    axis, and a loss_fn collective over both names spans the whole group, as in the
+    reference (which vmaps the same two names)."""
+    mesh = jax.make_mesh((2, 4), ("dcn", "ici"))
+    cfg = DDPConfig(
+        zero_stage=stage,
+        num_microbatches=2,
+        bucket_size=40,
+        data_axis=("dcn", "ici"),
+        outer_dp_sharding_strategy=strategy,
+    )
+    loss = _pmean_loss(("dcn", "ici"))
+    opt = optax.sgd(0.1, momentum=0.9)
+    eng = DataParallel(loss, opt, cfg, mesh=mesh)
+    assert eng.group.outer_size == 2 and eng.group.inner_size == 4
+    batches = _batches(32)
+    state, norms = _run(eng, batches)
+    ref = jaxdp.testing.Reference(
+        loss, opt, cfg.replace(num_distributed_optimizer_instances=2), dp=8
+    )
+    rs = ref.init(_params())
+    ref_norms = []
+    for b in batches:
+        rs, m = ref.step(rs, b)
+        ref_norms.append(float(m["grad_norm"]))
+    assert max_rel_err(eng.params(state), rs.master) < 1e-6
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
+
+
+def test_two_level_data_axis_without_a_mesh_groups_the_devices():
+    cfg = DDPConfig(zero_stage=2, data_axis=("dcn", "ici"), num_distributed_optimizer_instances=4)
+    eng = DataParallel(mse_loss, optax.sgd(0.1), cfg)
+    assert eng.mesh.axis_names == ("dcn", "ici") and eng.mesh.shape["dcn"] == 4
+    assert DDPConfig.from_dict(cfg.to_dict()) == cfg  # YAML round trip keeps the pair
+
+
+@pytest.mark.parametrize(
+    ("cfg", "mesh_shape", "match"),
+    [
+        (dict(data_axis=("dcn", "ici")), None, "two-level mesh"),
+        (dict(data_axis=("dcn", "ici")), ((8,), ("data",)), "axes"),
+        (
+            dict(data_axis=("dcn", "ici"), num_distributed_optimizer_instances=4),
+            ((2, 4), ("dcn", "ici")),
+            "instances",
+        ),
+        (dict(data_axis=("dcn", "dcn")), None, "two distinct names"),
+        (dict(data_axis=("a", "b", "c")), None, "two distinct names"),
+        (dict(data_axis=("dcn", "ici"), zero_stage=0), None, "zero_stage=1"),
+    ],
+)
+def test_two_level_data_axis_errors(cfg, mesh_shape, match):
+    cfg = {"zero_stage": 1, **cfg}
+    with pytest.raises((ValueError, TypeError), match=match) as e:
+        mesh = jax.make_mesh(*mesh_shape) if mesh_shape else None
+        DataParallel(mse_loss, optax.sgd(0.1), DDPConfig(**cfg), mesh=mesh)
+    assert "Fix" in str(e.value)

@@ -195,9 +195,27 @@ class Reference:
             return total, loss, ntok, aux_sum, state
 
         # the state is an argument (not a closure) so that nnx Variables are made in here
-        per_rank = jax.vmap(rank, in_axes=(0, 0, None), axis_name=cfg.data_axis)(
-            jnp.arange(dp), ranks, ms
-        )
+        if isinstance(cfg.data_axis, tuple):  # two levels: ranks as [instances, per instance]
+            n = max(cfg.num_distributed_optimizer_instances, 1)
+            if dp % n:
+                raise ValueError(
+                    f"Reference: data_axis={cfg.data_axis} with dp={dp} and "
+                    f"num_distributed_optimizer_instances={n}; expected a divisor of dp. Fix: "
+                    "set num_distributed_optimizer_instances to the mesh's outer size."
+                )
+            outer, inner = cfg.data_axis
+            nested = jax.vmap(
+                jax.vmap(rank, in_axes=(0, 0, None), axis_name=inner),
+                in_axes=(0, 0, None),
+                axis_name=outer,
+            )
+            split = jax.tree.map(lambda x: x.reshape(n, dp // n, *x.shape[1:]), ranks)
+            per_rank = nested(jnp.arange(dp).reshape(n, dp // n), split, ms)
+            per_rank = jax.tree.map(lambda x: x.reshape(dp, *x.shape[2:]), per_rank)
+        else:
+            per_rank = jax.vmap(rank, in_axes=(0, 0, None), axis_name=cfg.data_axis)(
+                jnp.arange(dp), ranks, ms
+            )
         total, loss, ntok, aux_sum, states = per_rank
         grads = jax.tree.map(lambda x: jnp.sum(x, 0), total)
         metrics: dict[str, Any] = {}

@@ -68,7 +68,8 @@ class Trainer:
                     "fewer."
                 )
             devices = devices[: args.devices]
-        self.mesh = make_mesh(devices, axis=cfg.ddp.data_axis)
+        ax = cfg.ddp.data_axis  # a two-level data_axis: the engine groups the devices itself
+        self.mesh = make_mesh(devices, axis=ax) if isinstance(ax, str) else devices
         dp = len(devices)
         t = cfg.train
         try:
@@ -209,7 +210,7 @@ class Trainer:
             console=self.console,
             disable=not self.lead,
         )
-        agreement = StopAgreement(self.mesh)
+        agreement = StopAgreement(self.engine.mesh)
         profiler = StepProfiler(out, getattr(args, "profile", None), start, t.steps)
         stop_signal, saved, stopped_at = 0, None, None
         self.signals.arm()

@@ -284,7 +284,21 @@ def check_fields(cfg: Any) -> None:
     )
 
     ax = cfg.data_axis
-    if not isinstance(ax, str):
+    if isinstance(ax, list):
+        ax = tuple(ax)
+        object.__setattr__(cfg, "data_axis", ax)
+    if isinstance(ax, tuple):  # (outer, inner): a two-level mesh (hierarchical instances)
+        if len(ax) != 2 or not all(isinstance(a, str) and a for a in ax) or ax[0] == ax[1]:
+            raise _err(
+                "data_axis",
+                ax,
+                "a mesh axis name, or two distinct names (outer, inner) of a two-level mesh "
+                "whose outer axis indexes the instances (MaxText's DCN x ICI)",
+                "pass e.g. data_axis=('dcn', 'ici') with jax.make_mesh((nodes, gpus), "
+                "('dcn', 'ici'))",
+                TypeError if len(ax) != 2 else ValueError,
+            )
+    elif not isinstance(ax, str):
         raise _err(
             "data_axis",
             ax,
@@ -292,7 +306,7 @@ def check_fields(cfg: Any) -> None:
             "pass e.g. data_axis='data'",
             TypeError,
         )
-    if not ax:
+    elif not ax:
         raise _err("data_axis", ax, "a non-empty mesh axis name", "pass e.g. data_axis='data'")
 
     _fnmatch_patterns(cfg, "own_bucket_param_patterns", "('*embedding*',)")
@@ -306,7 +320,7 @@ def check_fields(cfg: Any) -> None:
             "pass e.g. expert_axis='expert'",
             TypeError if not isinstance(ea, str) else ValueError,
         )
-    if ea is not None and ea == cfg.data_axis:
+    if ea is not None and (ea == cfg.data_axis or ea in tuple(cfg.data_axis)):
         raise _err(
             "expert_axis",
             ea,
@@ -456,7 +470,7 @@ def check_combinations(cfg: Any) -> None:
             "an expert_axis to split the matching params over",
             "set expert_axis='expert' (the mesh axis of expert parallelism)",
         )
-    if cfg.num_distributed_optimizer_instances > 1:
+    if cfg.hierarchical:
         _check_hierarchical(cfg)
     if cfg.pad_buckets_for_high_nccl_busbw and cfg.zero_stage == 0:
         raise _err(

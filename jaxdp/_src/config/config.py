@@ -91,7 +91,12 @@ class DDPConfig:
         main_grads_dtype: Dtype of the gradient accumulators that sum micro-batches locally
             (Megatron's ``main_grads_dtype``, default ``"float32"``); gradients are cast to the
             wire dtype only at the collective.
-        data_axis: Name of the mesh axis that data parallelism runs over.
+        data_axis: Name of the mesh axis that data parallelism runs over; or two names
+            ``(outer, inner)`` of a two-level mesh you pass (MaxText's DCN x ICI, e.g.
+            ``jax.make_mesh((nodes, gpus), ("dcn", "ici"))``): the outer axis indexes the
+            distributed-optimizer instances (see ``num_distributed_optimizer_instances``,
+            which may be left at 1 or must match it); without a mesh, the default one is
+            grouped into ``num_distributed_optimizer_instances`` instances with these names.
         own_bucket_param_patterns: ``fnmatch`` patterns over parameter paths (``"a/b/c"``) of
             parameters that get a bucket of their own (Megatron's ``shared_embedding``, for tied
             embeddings), e.g. ``("*embedding*",)``.
@@ -257,7 +262,7 @@ class DDPConfig:
     calculate_per_token_loss: bool = False
     param_dtype: str | None = None
     main_grads_dtype: str = "float32"
-    data_axis: str = "data"
+    data_axis: str | tuple[str, str] = "data"
     own_bucket_param_patterns: tuple[str, ...] = ()
     bucket_layout: Literal["interleaved", "megatron"] = "interleaved"
     gradient_accumulation_fusion: bool = False
@@ -301,9 +306,9 @@ class DDPConfig:
 
     @property
     def hierarchical(self) -> bool:
-        """Whether the data ranks form several distributed-optimizer instances
-        (``num_distributed_optimizer_instances > 1``)."""
-        return self.num_distributed_optimizer_instances > 1
+        """Whether the data ranks form distributed-optimizer instances
+        (``num_distributed_optimizer_instances > 1``, or a two-level ``data_axis``)."""
+        return self.num_distributed_optimizer_instances > 1 or isinstance(self.data_axis, tuple)
 
     def resolve_bucket_size(self, dp_size: int) -> int | None:
         """The bucket size in elements for ``dp_size`` ranks (``None`` = one bucket per buffer).
@@ -338,6 +343,8 @@ class DDPConfig:
         out["own_bucket_param_patterns"] = list(self.own_bucket_param_patterns)
         out["expert_param_patterns"] = list(self.expert_param_patterns)
         out["scan_param_patterns"] = [list(r) for r in self.scan_param_patterns]
+        if isinstance(self.data_axis, tuple):
+            out["data_axis"] = list(self.data_axis)
         return out
 
     @classmethod

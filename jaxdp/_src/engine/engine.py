@@ -432,23 +432,50 @@ def _mesh_and_group(mesh: Any, config: DDPConfig) -> tuple[Mesh, ReductionGroup]
     """The engine's mesh and reduction group. With ``num_distributed_optimizer_instances``
     ``N > 1`` the 1-D data mesh is regrouped into ``N`` instances of consecutive devices
     (:func:`jaxdp._src.topology.mesh.instance_mesh`); a mesh that already has the two axes
-    (e.g. another hierarchical engine's) is used as it is."""
+    (another hierarchical engine's, or the ``(outer, inner)`` of a two-level ``data_axis``)
+    is used as it is, its outer axis indexing the instances."""
     n = config.num_distributed_optimizer_instances
-    outer, inner = instance_axes(config.data_axis)
-    if n > 1 and isinstance(mesh, Mesh) and tuple(mesh.axis_names) == (outer, inner):
-        if int(mesh.shape[outer]) != n:
+    data_axis = config.data_axis
+    two_level = isinstance(data_axis, tuple)
+    names: tuple[str, str] = data_axis if isinstance(data_axis, tuple) else instance_axes(data_axis)
+    outer, inner = names
+    field = "DDPConfig.num_distributed_optimizer_instances"
+    if isinstance(mesh, Mesh) and (two_level or n > 1) and set(names) <= set(mesh.axis_names):
+        if set(mesh.axis_names) != set(names):
+            raise ValueError(
+                f"DataParallel: data_axis {names} on a mesh with axes {dict(mesh.shape)}; "
+                "expected a mesh of exactly those two axes (hierarchical data parallelism "
+                "with tensor or expert parallelism is not implemented). Fix: pass "
+                f"jax.make_mesh((nodes, gpus_per_node), {names})."
+            )
+        if n > 1 and int(mesh.shape[outer]) != n:
             raise ValueError(
                 f"DataParallel: the mesh has {int(mesh.shape[outer])} instances along "
-                f"{outer!r}; DDPConfig.num_distributed_optimizer_instances={n}. Fix: pass "
-                "a 1-D mesh (the engine groups it) or make the two agree."
+                f"{outer!r}; {field}={n}. Fix: leave {field.split('.')[1]} at 1 (the mesh "
+                "decides), or make the two agree."
             )
         hmesh = auto_mesh(mesh)
+    elif two_level and isinstance(mesh, Mesh):
+        raise ValueError(
+            f"DataParallel: DDPConfig.data_axis={names} but the mesh has axes "
+            f"{dict(mesh.shape)}. Fix: pass jax.make_mesh((nodes, gpus_per_node), {names}), "
+            "or no mesh (with num_distributed_optimizer_instances=N the default one is "
+            "grouped into N instances)."
+        )
     else:
-        check_mesh(mesh, config.data_axis, config.expert_axis)
-        flat = auto_mesh(make_mesh(mesh, axis=config.data_axis))
+        axis = data_axis if isinstance(data_axis, str) else inner
+        check_mesh(mesh, axis, config.expert_axis)
+        flat = auto_mesh(make_mesh(mesh, axis=axis))
+        if n == 1 and not two_level:
+            return flat, ReductionGroup(flat, axis, config.expert_axis)
         if n == 1:
-            return flat, ReductionGroup(flat, config.data_axis, config.expert_axis)
-        hmesh = instance_mesh(flat, config.data_axis, n)
+            raise ValueError(
+                f"DataParallel: DDPConfig.data_axis={names} names a two-level mesh, but none "
+                f"was passed and {field}=1. Fix: pass mesh=jax.make_mesh((nodes, "
+                f"gpus_per_node), {names}), or set {field.split('.')[1]} to the number of "
+                "instances."
+            )
+        hmesh = instance_mesh(flat, axis, n, names)
     optim = config.outer_dp_sharding_strategy == "optim"
     return hmesh, ReductionGroup(hmesh, inner, None, outer_axis=outer, shard_outer=optim)
 

@@ -155,7 +155,7 @@ def names_dot_operands(config: DDPConfig) -> bool:
     return config.remat_policy in ("gemm", "dots")
 
 
-def unbound_axis_error(where: str, name: str, bound: tuple[str, ...], data_axis: str) -> ValueError:
+def unbound_axis_error(where: str, name: str, bound: tuple[str, ...], data_axis: Any) -> ValueError:
     """The error for a ``loss_fn`` collective over ``name`` where only ``bound`` are bound."""
     names = " and ".join(repr(a) for a in bound)
     return ValueError(
@@ -267,7 +267,7 @@ def read_sharding(
     return ShardingPlan.from_params(
         params,
         group.mesh,
-        config.data_axis,
+        group.data_axis,
         param_specs,
         expert_axis=config.expert_axis,
         expert_patterns=config.expert_param_patterns,
@@ -505,7 +505,7 @@ def _strategy(
     # Params are gathered over the shard axes; the gathers' transpose reduces within the
     # instance (the whole group when flat) and the instances are combined after the loop.
     z3: dict[str, Any] = dict(
-        axis=group.shard_axes if group.outer_axis else config.data_axis,
+        axis=group.shard_axes,
         policy=remat_policy_for(config.remat_policy),
     )
     if group.levels is not None:

@@ -78,11 +78,13 @@ def instance_axes(data_axis: str) -> tuple[str, str]:
     return f"{data_axis}_outer", f"{data_axis}_inner"
 
 
-def instance_mesh(mesh: Mesh, data_axis: str, instances: int) -> Mesh:
+def instance_mesh(
+    mesh: Mesh, data_axis: str, instances: int, names: tuple[str, str] | None = None
+) -> Mesh:
     """``mesh``'s data ranks as ``instances`` instances of consecutive devices: a 2-D mesh
-    ``(data_axis + "_outer", data_axis + "_inner")`` of shape ``(N, dp / N)`` over the same
-    devices in the same order, so rank ``o * (dp / N) + i`` is the device it was (one host's
-    devices stay together: ``jax.devices()`` lists them process by process).
+    ``(data_axis + "_outer", data_axis + "_inner")`` (or ``names``) of shape ``(N, dp / N)``
+    over the same devices in the same order, so rank ``o * (dp / N) + i`` is the device it
+    was (one host's devices stay together: ``jax.devices()`` lists them process by process).
 
     Example:
         >>> import jax
@@ -90,13 +92,13 @@ def instance_mesh(mesh: Mesh, data_axis: str, instances: int) -> Mesh:
         >>> m.axis_names, m.shape["data_outer"] * m.shape["data_inner"] == jax.device_count()
         (('data_outer', 'data_inner'), True)
     """
-    field = "DDPConfig.num_distributed_optimizer_instances"
+    field = "num_distributed_optimizer_instances"
     if mesh.axis_names != (data_axis,):
         raise ValueError(
             f"DataParallel: {field}={instances} with a mesh of axes {mesh.axis_names}; "
             f"expected a 1-D mesh over {data_axis!r} (hierarchical data parallelism on a "
             "tensor-parallel or expert mesh is not implemented). Fix: pass jaxdp.make_mesh() "
-            f"(or no mesh), or set {field.split('.')[1]}=1."
+            f"(or no mesh), or set {field}=1."
         )
     dp = int(mesh.shape[data_axis])
     if instances > dp or dp % instances:
@@ -105,6 +107,6 @@ def instance_mesh(mesh: Mesh, data_axis: str, instances: int) -> Mesh:
             f"divisor of {dp} (each instance holds dp / N consecutive devices). Fix: use one "
             f"of {[n for n in range(1, dp + 1) if dp % n == 0]}, e.g. the number of nodes."
         )
-    outer, inner = instance_axes(data_axis)
+    outer, inner = names or instance_axes(data_axis)
     devices = np.asarray(mesh.devices).reshape(instances, dp // instances)
     return Mesh(devices, (outer, inner), axis_types=(AxisType.Auto, AxisType.Auto))
