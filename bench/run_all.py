@@ -42,6 +42,11 @@ SECTIONS: dict[str, tuple[int, str, str]] = {
     "zero3": (10, "ZeRO-3 against GSPMD FSDP", "bench_zero3"),
     "traffic": (11, "Traffic and peak against GSPMD peers", "bench_traffic"),
     "dispatch": (12, "Host time per step", "bench_dispatch"),
+    "hierarchical": (
+        15,
+        "Hierarchical data parallelism on 8 x H100, compile-only",
+        "bench_hierarchical",
+    ),
 }
 
 
@@ -126,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.plots is not None:
         os.makedirs(args.plots, exist_ok=True)  # before minutes of benchmarks, not after
     t_start = time.perf_counter()
-    sections = "\n\n".join(section(name, args.quick, args.plots) for name in SECTIONS)
+    # sections numbered after the GPU's (13) follow it
+    texts = {name: section(name, args.quick, args.plots) for name in SECTIONS}
+    sections = "\n\n".join(t for n, t in texts.items() if SECTIONS[n][0] < 13)
+    later = "\n\n".join(t for n, t in texts.items() if SECTIONS[n][0] > 13)
     total = time.perf_counter() - t_start
     doc = f"""# jaxdp benchmarks
 
@@ -142,6 +150,8 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 ## 13. GPU: `bench/bench_gpu.py` <a id="bench_gpu"></a>
 
 {gpu_block(args.out)}
+
+{later}
 """
     with open(args.out, "w") as f:
         f.write(doc)

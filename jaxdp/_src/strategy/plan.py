@@ -497,8 +497,11 @@ def _strategy(
             scatters_per_step=g if stage == 2 else 1,
             per_parameter=per_parameter,
             # one flat view per parameter, every parameter whole on each device: the gather
-            # after the update is the partitioner's (ShardedOpt._gather_global)
-            gathers_globally=per_parameter and sharding.trivial,
+            # after the update is the partitioner's (ShardedOpt._gather_global). Not where the
+            # shards span the instances: XLA gathers them over every rank at once, all the
+            # bytes across nodes, where jaxdp gathers across instances first (1/(dp/N) of
+            # them) and then within (bench/bench_hierarchical.py)
+            gathers_globally=per_parameter and sharding.trivial and not group.shard_outer,
             **common,
         )
     # stage 3: scanned layer stacks are gathered one layer per scan iteration
