@@ -72,6 +72,7 @@ def test_outputs_and_exact_resume(tmp_path, tiny, capsys):
         assert json.load(f)["xla_options"] == {}
     out = capsys.readouterr().out
     assert "summary" in out and "MFU (dense bf16 peak)" in out  # "-" on CPUs (no peak)
+    assert "buckets: " in out and "NVLink model: " in out  # the size and the model's time
 
     # Half the steps, then --resume to the end: the same losses, bit for bit.
     assert main(["--config", tiny, "--out", resumed, "--steps", "2"]) == 0

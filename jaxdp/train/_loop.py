@@ -184,6 +184,8 @@ class Trainer:
             f"{self.corpus.val.size:,} val bytes)"
             + (f"; resumed at step {start}" if self.resume_step is not None else "")
         )
+        if eng.plan.buckets is not None:  # the bucket size and the link model's prediction
+            self.console.print(eng.plan.buckets.describe())
         step_options = eng.step_compiler_options
         if step_options:
             self.console.print(

@@ -225,14 +225,17 @@ class DataParallel:
             example_batch=example_batch,
             previous=self._plan,
         )
-        if self._options_follow_layout():
+        chosen = self._plan.layout.bucket_size  # across nodes, "auto" follows the link model
+        if self._options_follow_layout() or (
+            self._options_asked == "jaxdp" and chosen != self.config.resolve_bucket_size(self.dp)
+        ):
             self.compiler_options = engine_compiler_options(
                 self._options_asked,
                 self.config,
                 dp_size=self.dp,
                 platform=self.group.platform,
                 device=self.mesh.devices.flat[0],
-                bucket_numel=self._plan.layout.bucket_size,
+                bucket_numel=chosen,
             )
         # Without an example batch, stacks were not looked for: the first batch tells.
         undetected = example_batch is None and self._plan.finds_stacks
@@ -267,8 +270,10 @@ class DataParallel:
         return jax.jit(full, out_shardings=self._shardings)(params, model_state, rng)
 
     def _options_follow_layout(self) -> bool:
-        """Whether jaxdp's compiler options need the layout: its combine thresholds are sized
-        by the bucket size, which ``num_buckets`` derives from the params."""
+        """Whether jaxdp's compiler options wait for the layout: its combine thresholds are
+        sized by the bucket size, which ``num_buckets`` derives from the params. (Across nodes
+        ``bucket_size="auto"`` does too; ``init`` sets them again when the layout chose
+        another size than the config's.)"""
         return self._options_asked == "jaxdp" and self.config.num_buckets is not None
 
     def _replicate_uncommitted(self, params: Any) -> Any:

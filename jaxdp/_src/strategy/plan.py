@@ -8,7 +8,8 @@
   operations** (:func:`_ops`: nested regions on tensor-parallel meshes, per-parameter
   collectives at stages 1-2, :mod:`jaxdp._src.comm.per_param`);
 * the **layout** (:class:`jaxdp.BucketLayout`, with the scanned layer stacks ZeRO-3 gathers
-  per layer);
+  per layer), its bucket size (``bucket_size="auto"`` across nodes: the alpha-beta rule of
+  :mod:`jaxdp._src.topology.links`) and what the link model predicts for it;
 * the **strategy** (:mod:`jaxdp._src.strategy.strategy`), with its codecs and gradient kernel;
 * the gradient mean's **divisor carried by the loss** (:mod:`jaxdp._src.strategy.loss_divisor`),
 held by
@@ -35,7 +36,7 @@ from ..comm.nested import NestedOps, PlainOps
 from ..comm.per_param import AllReduceOps, PerParamOps
 from ..comm.public import wire_of
 from ..comm.wire import Wire
-from ..config.config import DDPConfig
+from ..config.config import AUTO_BUCKET_SIZE, DDPConfig
 from ..core.loss import UnboundAxis
 from ..forms.codec import (
     BlockCodec,
@@ -49,6 +50,7 @@ from ..layout.layout import BucketLayout, rules_of
 from ..optim.check import check_optimizer
 from ..optim.known import MOMENT_STATES, moment_roles, state_names
 from ..topology.group import ReductionGroup
+from ..topology.links import BucketChoice, auto_bucket_bytes, nodes_of, ring_link
 from ..topology.sharding import ShardingPlan
 from ..zero3.dot_operands import name_batched_dot_operands
 from ..zero3.gather import gathers_per_parameter, zero3_value_and_grad
@@ -73,6 +75,7 @@ __all__ = [
     "build_plan",
     "check_engine_args",
     "check_supported",
+    "bucket_choice",
     "unbound_axis_error",
     "finds_stacks",
     "names_dot_operands",
@@ -238,6 +241,8 @@ class Plan:
         layout: the bucket layout (of the rank-local blocks on a tensor-parallel mesh).
         strategy: the ZeRO strategy; ask it about state forms, the step, checkpoints.
         finds_stacks: scanned layer stacks are detected and gathered per layer.
+        buckets: how the bucket size was chosen and what the link model predicts for the
+            gradient collectives (:func:`bucket_choice`).
     """
 
     group: ReductionGroup
@@ -245,6 +250,7 @@ class Plan:
     layout: BucketLayout
     strategy: Strategy
     finds_stacks: bool = False
+    buckets: BucketChoice | None = None
 
     @property
     def passes_off(self) -> tuple[str, ...]:
@@ -284,12 +290,11 @@ def _layout(
     previous: Plan | None,
 ) -> BucketLayout:
     dp = group.shard_count  # the ZeRO shards: dp, or dp / N with instances that replicate them
-    if not sharding.trivial:  # the layout of the rank-local blocks; stacks are not detected
-        return BucketLayout.from_params(
-            sharding.local_params(params), config, dp, shard_axes=sharding.buffer_keys()
-        )
     stacks: dict[int, int] = {}
-    if finds_stacks(config):
+    shard_axes = None
+    if not sharding.trivial:  # the layout of the rank-local blocks; stacks are not detected
+        params, shard_axes = sharding.local_params(params), sharding.buffer_keys()
+    elif finds_stacks(config):
         prev = dict(previous.layout.stacked) if previous is not None else None
         try:
             stacks = find_stacks(
@@ -306,7 +311,66 @@ def _layout(
         except UnboundAxis as e:  # a model collective over an axis the step does not bind
             err = unbound_axis_error("DataParallel.init", e.name, e.bound, config.data_axis)
             raise err from e.__cause__
-    return BucketLayout.from_params(params, config, dp, stacked=stacks)
+    layout = BucketLayout.from_params(params, config, dp, stacked=stacks, shard_axes=shard_axes)
+    numel = _across_nodes(config, layout, group)
+    if numel is None or numel == layout.bucket_size:
+        return layout
+    rules = rules_of(config, dp).replace(bucket_size=numel)
+    return BucketLayout.build(params, rules, dp, stacks, shard_axes=shard_axes)
+
+
+def _gradient_kind(config: DDPConfig) -> str:
+    return "all-reduce" if config.zero_stage == 0 else "reduce-scatter"
+
+
+def _bucket_link(group: ReductionGroup) -> tuple[int, Any, int]:
+    """``(nodes, link, ranks)`` of the ring a bucket is reduced over: the group's, or with
+    distributed-optimizer instances the instance's (its buckets reduce within it; across
+    instances only the shard travels, once per step)."""
+    devices, ranks = group.mesh.devices, group.size
+    if group.outer_axis is not None:
+        devices = devices.take(0, axis=group.mesh.axis_names.index(group.outer_axis))
+        ranks = group.inner_size
+    nodes = nodes_of(list(devices.flat))
+    return nodes, ring_link(nodes, max(ranks // nodes, 1)), ranks
+
+
+def _across_nodes(config: DDPConfig, layout: BucketLayout, group: ReductionGroup) -> int | None:
+    """``bucket_size="auto"`` on a group that spans several nodes: the bucket size (elements)
+    of the alpha-beta rule (:func:`jaxdp._src.topology.links.auto_bucket_bytes`), at most
+    Megatron's default; ``None`` where the rule does not apply (one node, a size or a count
+    given, one bucket per buffer)."""
+    nodes, link, ranks = _bucket_link(group)
+    if nodes == 1 or config.bucket_size != AUTO_BUCKET_SIZE or layout.bucket_size is None:
+        return None
+    if config.num_buckets is not None:
+        return None
+    itemsize = max(jnp.dtype(b.grad_dtype).itemsize for b in layout.buffers)
+    total = sum(b.numel * jnp.dtype(b.grad_dtype).itemsize for b in layout.buffers)
+    chosen = auto_bucket_bytes(
+        total,
+        ranks,
+        link,
+        kind=_gradient_kind(config),
+        largest_bytes=layout.bucket_size * itemsize,
+    )
+    return max(chosen // itemsize, 1)
+
+
+def bucket_choice(config: DDPConfig, layout: BucketLayout, group: ReductionGroup) -> BucketChoice:
+    """How ``layout``'s bucket size was chosen, priced by the link model for the group's ring
+    (one node: NVLink; several: the network's bandwidth, :func:`ring_link`)."""
+    nodes, link, ranks = _bucket_link(group)
+    if layout.num_buckets is not None:
+        rule = f"num_buckets={layout.num_buckets}"
+    elif layout.bucket_size is None:
+        rule = "one per buffer"
+    elif config.bucket_size == AUTO_BUCKET_SIZE:
+        rule = "auto, alpha-beta rule" if nodes > 1 else "auto"
+    else:
+        rule = "bucket_size"
+    sizes = [b.numel * jnp.dtype(b.grad_dtype).itemsize for b in layout.buckets]
+    return BucketChoice.price(rule, link, _gradient_kind(config), ranks, sizes)
 
 
 def _ops(
@@ -576,4 +640,5 @@ def build_plan(
         layout=layout,
         strategy=strategy,
         finds_stacks=finds_stacks(config) and sharding.trivial,
+        buckets=bucket_choice(config, layout, group),
     )
