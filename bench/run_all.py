@@ -4,7 +4,8 @@ Run from the repository root:  python bench/run_all.py [--out BENCHMARKS.md]
 
 Runs every benchmark in bench/ (layout, step time, memory on CPU and on compile-only H100s,
 communication, numerics vs N, compile time, scaling, gradient-accumulation fusion, traffic
-against GSPMD peers) on 8 simulated CPU devices and writes their tables, plots (PNG, linked),
+against GSPMD peers, cluster figures predicted from compiled programs) on 8 simulated CPU
+devices and writes their tables, plots (PNG, linked),
 readings (``bench/readings/*.md``, with this run's numbers put in), the command, the machine
 and the software versions into one Markdown file. About 20 minutes on a 2-core machine;
 ``--quick`` runs everything at minimal size as a smoke test (a few minutes; the test suite runs
@@ -42,6 +43,8 @@ SECTIONS: dict[str, tuple[int, str, str]] = {
     "zero3": (10, "ZeRO-3 against GSPMD FSDP", "bench_zero3"),
     "traffic": (11, "Traffic and peak against GSPMD peers", "bench_traffic"),
     "dispatch": (12, "Host time per step", "bench_dispatch"),
+    # after section 13 (the GPU's, kept from the file): predictions, not measurements
+    "cluster": (14, "Planning figures for clusters (predicted)", "bench_cluster"),
     "hierarchical": (
         15,
         "Hierarchical data parallelism on 8 x H100, compile-only",

@@ -22,6 +22,7 @@ SECTIONS = (
     "## 11. Traffic and peak against GSPMD peers",
     "## 12. Host time per step",
     "## 13. GPU: `bench/bench_gpu.py`",
+    "## 14. Planning figures for clusters (predicted)",
 )
 
 
@@ -178,3 +179,37 @@ def test_xla_timers_are_read():
     ), got
     cpu = bench_compile.xla_seconds(log.replace("jit__step_fn", "jit_x").replace("other", "step"))
     assert cpu["xla_backend"] == 3.0 and cpu["xla_partition"] == 0.0, cpu
+
+
+def test_cluster_reader_splits_collectives_by_level():
+    """bench_cluster's reader: each collective's full bytes and replica-group size, in the
+    three replica-group forms of XLA's text, and the level it belongs to on 2 nodes x 4."""
+    bench = _load_bench("bench_cluster")
+    text = """HloModule m, entry_computation_layout={()->()}
+
+ENTRY %main (p: bf16[800]) -> bf16[800] {
+  %p = bf16[800]{0} parameter(0)
+  %rs = (bf16[800]{0}, bf16[100]{0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}
+  %rsd = bf16[100]{0} reduce-scatter-done(%rs)
+  %in = ((bf16[800]{0}), bf16[200]{0}) reduce-scatter-start(%p), replica_groups=[2,4]<=[8]
+  %ind = bf16[200]{0} reduce-scatter-done(%in)
+  %q = f32[256]{0} parameter(1)
+  %ar = (f32[256]{0}, f32[256]{0}) all-reduce-start(%q), replica_groups=[4,2]<=[2,4]T(1,0)
+  %ag = ((bf16[100]{0}), bf16[800]{0}) all-gather-start(%rsd), replica_groups=mesh['axis_0'=8]
+  ROOT %agd = bf16[800]{0} all-gather-done(%ag)
+}
+"""
+    got = bench.collectives_of(text, 8)
+    assert [(k, b, n) for k, b, n, _ in got] == [
+        ("reduce-scatter", 1600, 8),
+        ("reduce-scatter", 1600, 4),
+        ("all-reduce", 1024, 2),  # one rank per node: the outer level
+        ("all-gather", 1600, 8),
+    ]
+    levels = bench.levels_of_program(text, 8, 4)
+    assert levels == {
+        "flat": [("reduce-scatter", 1600), ("all-gather", 1600)],
+        "inner": [("reduce-scatter", 1600)],
+        "outer": [("all-reduce", 1024)],
+    }
+    assert bench.group_size("channel_id=1", 16) == 16
