@@ -23,6 +23,7 @@ SECTIONS = (
     "## 12. Host time per step",
     "## 13. GPU: `bench/bench_gpu.py`",
     "## 14. Planning figures for clusters (predicted)",
+    "## 15. Hierarchical data parallelism on 8 x H100, compile-only",
 )
 
 
