@@ -220,6 +220,7 @@ def check_fields(cfg: Any) -> None:
         "gradient_accumulation_fusion",
         "overlap_param_gather",
         "check_for_large_grads",
+        "optimizer_cpu_offload",
     ):
         _check_bool(name, getattr(cfg, name))
         object.__setattr__(cfg, name, bool(getattr(cfg, name)))
@@ -261,6 +262,24 @@ def check_fields(cfg: Any) -> None:
                 "pass e.g. grad_norm_skip_threshold=100.0, or None to turn skipping off",
             )
         object.__setattr__(cfg, "grad_norm_skip_threshold", float(st))
+
+    of = cfg.optimizer_offload_fraction
+    if isinstance(of, bool) or not isinstance(of, (int, float, np.integer, np.floating)):
+        raise _err(
+            "optimizer_offload_fraction",
+            of,
+            "a float in (0, 1] (the share of the optimizer state kept in host memory)",
+            "pass e.g. optimizer_offload_fraction=0.5",
+            TypeError,
+        )
+    if not (0 < of <= 1):
+        raise _err(
+            "optimizer_offload_fraction",
+            of,
+            "a float in (0, 1] (0 would offload nothing: use optimizer_cpu_offload=False)",
+            "pass a share such as 0.5, or 1.0 to offload the whole optimizer state",
+        )
+    object.__setattr__(cfg, "optimizer_offload_fraction", float(of))
 
     m = cfg.num_microbatches
     if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
@@ -472,6 +491,13 @@ def check_combinations(cfg: Any) -> None:
         )
     if cfg.hierarchical:
         _check_hierarchical(cfg)
+    if cfg.optimizer_offload_fraction != 1.0 and not cfg.optimizer_cpu_offload:
+        raise _err(
+            "optimizer_offload_fraction",
+            cfg.optimizer_offload_fraction,
+            "optimizer_cpu_offload=True: the fraction says how much of the state to offload",
+            "set optimizer_cpu_offload=True, or drop optimizer_offload_fraction",
+        )
     if cfg.pad_buckets_for_high_nccl_busbw and cfg.zero_stage == 0:
         raise _err(
             "pad_buckets_for_high_nccl_busbw",

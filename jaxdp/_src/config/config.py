@@ -239,6 +239,24 @@ class DDPConfig:
             ``bucket_size="auto"``; with an explicit ``bucket_size`` (an int, or ``None``)
             it is an error. ``overlap_grad_reduce=False`` still makes each buffer one bucket.
             ``None`` (default): buckets by ``bucket_size``.
+        optimizer_cpu_offload: Megatron's name. Keep the optimizer state and the fp32 master
+            weights in pinned host memory between steps (``memory_kind="pinned_host"``): the
+            update brings them into device memory bucket by bucket, updates that bucket and
+            writes it back, each bucket's transfer in waiting for the previous bucket's
+            update so that about two buckets of it are on the device at once, and the copies
+            back overlapping the next bucket's update. The update is the same operations in
+            the same dtypes, so the values are bit-equal to the on-device run's; only where
+            they live changes. It saves device memory at the price of host <-> device
+            traffic every step (docs/training.md). Where the optimizer mixes buckets (e.g. an
+            ``optax.clip_by_global_norm`` inside the chain; jaxdp's own ``clip_grad`` does
+            not), the whole state is brought in at once instead. Any ``zero_stage``; at
+            ``zero_stage=0`` without a master copy (fp32 params) only the optimizer state
+            moves.
+        optimizer_offload_fraction: Megatron's name. The share of the optimizer state (by
+            element count) kept in host memory with ``optimizer_cpu_offload``, in ``(0, 1]``:
+            the first buckets of ``engine.layout.buckets`` (the last parameters, whose
+            gradients are reduced first) until their elements reach this share; the rest
+            stay on the device. ``1.0`` (default): all of it.
 
     Example:
         >>> cfg = DDPConfig(zero_stage=1, bucket_size=1_000_000, grad_reduce_in_fp32=True)
@@ -280,6 +298,8 @@ class DDPConfig:
     exp_avg_dtype: str = "float32"
     exp_avg_sq_dtype: str = "float32"
     num_buckets: int | None = None
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
