@@ -20,6 +20,7 @@ from ._compile import abstract_batch as abstract_batch
 from ._compile import abstract_state as abstract_state
 from ._compile import collective_roles as collective_roles
 from ._compile import compile_step as compile_step
+from ._compile import cross_compile_step as cross_compile_step
 from ._compile import example_mlp as example_mlp
 from ._compile import gradient_collectives as gradient_collectives
 from ._report import Collective as Collective
@@ -38,6 +39,7 @@ __all__ = [
     "abstract_state",
     "collective_roles",
     "compile_step",
+    "cross_compile_step",
     "example_mlp",
     "gradient_collectives",
     "h100_mesh",

@@ -25,6 +25,7 @@ __all__ = [
     "abstract_state",
     "abstract_batch",
     "compile_step",
+    "cross_compile_step",
     "collective_roles",
     "gradient_collectives",
     "example_mlp",
@@ -129,6 +130,113 @@ def compile_step(
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         lowered = dp.step.lower(state, abstract_batch(dp, batch))
         return lowered.compile(compiler_options=opts) if opts else lowered.compile()
+
+
+def _lowering_platform(devices: list[Any]) -> str:
+    """The platform name jax lowers for (its compile-only GPU devices say ``"gpu"``)."""
+    platform = devices[0].platform
+    if platform == "gpu":
+        return "rocm" if "rocm" in str(getattr(devices[0], "client", "")).lower() else "cuda"
+    return str(platform)
+
+
+class CrossCompiled:
+    """A step compiled by :func:`cross_compile_step`: what ``jax.stages.Compiled`` offers for
+    inspection (``as_text``, ``memory_analysis``); it cannot run."""
+
+    def __init__(self, executable: Any):
+        self._exe = executable
+
+    def as_text(self) -> str:
+        """The optimised, scheduled program."""
+        return "\n\n".join(m.to_string() for m in self._exe.hlo_modules())
+
+    def memory_analysis(self) -> Any:
+        """XLA's buffer assignment: device bytes (``argument_size_in_bytes``, ...) and host
+        bytes (``host_argument_size_in_bytes``, ...) apart."""
+        return self._exe.get_compiled_memory_stats()
+
+
+def cross_compile_step(
+    dp: DataParallel,
+    params: Any,
+    batch: Any,
+    devices: Any,
+    *,
+    compiler_options: dict[str, Any] | str | None = "jaxdp",
+) -> CrossCompiled:
+    """Compile the step of ``dp`` (an engine on devices that run, e.g. CPU devices) for other,
+    compile-only ``devices`` of the same count (e.g. ``h100_topology(8)``); nothing runs.
+
+    :func:`compile_step` needs the engine on the compile-only devices themselves, which have
+    no memories, so jax drops every memory kind there: a state kept in host memory
+    (``DDPConfig.optimizer_cpu_offload``) would compile as if on the device. Here the step is
+    lowered on the engine's own mesh (whose devices have a ``pinned_host`` memory) for the
+    target's platform and compiled for ``devices`` in the mesh's device order, so the program
+    keeps its host transfers and :meth:`CrossCompiled.memory_analysis` reports device and
+    host bytes apart. Uses jax's internal compile entry points (``jax._src.compiler``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from jaxdp import DataParallel, DDPConfig
+        >>> from jaxdp import aot
+        >>> cpu = jax.make_mesh((1,), ("data",), devices=jax.devices("cpu")[:1])
+        >>> dp = DataParallel(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.adam(1e-3),
+        ...                   DDPConfig(zero_stage=1, optimizer_cpu_offload=True), mesh=cpu)
+        >>> params = {"w": jax.ShapeDtypeStruct((256, 4), jnp.float32)}
+        >>> batch = {"x": jax.ShapeDtypeStruct((8, 256), jnp.float32)}
+        >>> compiled = cross_compile_step(dp, params, batch, jax.devices("cpu")[:1])
+        >>> "HloModule" in compiled.as_text()  # for compile-only GPUs: aot.h100_topology(8)
+        True
+    """
+    import numpy as np
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    _check_engine("cross_compile_step", dp)
+    devices = list(devices)
+    if len(devices) != dp.mesh.devices.size:
+        raise ValueError(
+            f"cross_compile_step: {len(devices)} devices for an engine on "
+            f"{dp.mesh.devices.size}; expected as many. Fix: build the engine on a mesh of "
+            f"{len(devices)} devices (e.g. CPU devices with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count)."
+        )
+    if isinstance(compiler_options, str):
+        if compiler_options != "jaxdp":
+            raise ValueError(
+                f"cross_compile_step: compiler_options={compiler_options!r}; expected 'jaxdp', "
+                "None or a dict of XLA options. Fix: pass compiler_options='jaxdp'."
+            )
+        opts: dict[str, Any] | None = xla_compiler_options(dp.config, dp_size=dp.dp)
+    else:
+        opts = compiler_options
+    state = abstract_state(dp, params, batch)
+    opts = with_passes_off(opts or {}, dp.plan.passes_off)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        lowered = dp.step.lower(
+            state, abstract_batch(dp, batch), lowering_platforms=(_lowering_platform(devices),)
+        )
+    n = len(devices)
+    options = compiler.get_compile_options(
+        num_replicas=1,
+        num_partitions=n,
+        device_assignment=np.array(devices).reshape(1, n),
+        env_options_overrides=opts or None,
+    )
+    options.executable_build_options.use_spmd_partitioning = True
+    options.executable_build_options.use_shardy_partitioner = bool(
+        getattr(jax.config, "jax_use_shardy_partitioner", True)
+    )
+    exe = compiler.backend_compile_and_load(
+        devices[0].client,
+        lowered.compiler_ir("stablehlo"),
+        xla_client.DeviceList(tuple(devices)),
+        options,
+        [],
+    )
+    return CrossCompiled(exe)
 
 
 _HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}

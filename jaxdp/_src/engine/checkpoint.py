@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.state import TrainState
 from ..forms.codec import Owners
+from ..strategy.offload import to_device
 from ..strategy.spikes import history0
 from .engine import DataParallel
 
@@ -148,6 +149,13 @@ class CheckpointManager:
         return jax.eval_shape(self.engine.optimizer.init, self._strategy.full_params(jnp.float32))
 
     def _canonical_fn(self, state: TrainState) -> dict[str, Any]:
+        # An offloaded master and optimizer state (DDPConfig.optimizer_cpu_offload) are read
+        # on the device, where the canonical form is computed.
+        sh = self.engine.state_shardings
+        state = state._replace(
+            master=jax.tree.map(to_device, state.master, sh.master),
+            opt_state=jax.tree.map(to_device, state.opt_state, sh.opt_state),
+        )
         params, master, opt = self._strategy.to_canonical(state)
         out: dict[str, Any] = {
             "step": state.step,

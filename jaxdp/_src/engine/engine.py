@@ -34,6 +34,7 @@ from ..core.state import TrainState
 from ..layout.layout import BucketLayout
 from ..platform.xla_flags import engine_compiler_options, with_passes_off
 from ..strategy import spikes
+from ..strategy.offload import to_device, update_by_bucket
 from ..strategy.plan import Plan, build_plan, check_engine_args
 from ..strategy.update import optimizer_update
 from ..topology.group import ReductionGroup
@@ -372,30 +373,36 @@ class DataParallel:
         target = strategy.target(state)
         if self.donate and strategy.holds_params:  # jaxdp._src.comm.order.hold
             target = hold(target, state.params, metrics["grad_norm"])
-        new_target, opt_state = optimizer_update(
-            self.optimizer,
-            grads,
-            metrics["grad_norm"],
-            state.opt_state,
-            target,
-            strategy.spec.clip_grad,
-            strategy.state_policy,
-        )
         step = state.step + 1
+        master: Any = None
+        if strategy.offload is not None:  # the update bucket by bucket, its state brought in
+            new_target, opt_state, master = self._offloaded_update(
+                grads, metrics["grad_norm"], good, state, target
+            )
+        else:
+            new_target, opt_state = optimizer_update(
+                self.optimizer,
+                grads,
+                metrics["grad_norm"],
+                state.opt_state,
+                target,
+                strategy.spec.clip_grad,
+                strategy.state_policy,
+            )
         if good is not None:
             # Chosen before the params are rebuilt: the working params are the master's cast
             # (gathered), so an unchanged master rebuilds the same params, and the choice reads
-            # the optimizer's view (a 1/dp shard at stages 1-3), not the whole params.
-            def pick(new: Any, old: Any) -> Any:
-                return jax.tree.map(lambda n, o: jnp.where(good, n, o), new, old)
-
-            new_target, opt_state = pick(new_target, target), pick(opt_state, state.opt_state)
-            model_state, history = (
-                pick(model_state, state.model_state),
-                pick(history, state.grad_history),
-            )
+            # the optimizer's view (a 1/dp shard at stages 1-3), not the whole params. (The
+            # offloaded update chose already, bucket by bucket.)
+            if strategy.offload is None:
+                new_target = _pick(good, new_target, target)
+                opt_state = _pick(good, opt_state, state.opt_state)
+            model_state = _pick(good, model_state, state.model_state)
+            history = _pick(good, history, state.grad_history)
             step = jnp.where(good, step, state.step)
-        params, master = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
+        params, rebuilt = strategy.rebuild(new_target, state.params, metrics["grad_norm"])
+        if strategy.offload is None:
+            master = rebuilt
         new = TrainState(
             step=step,
             params=params,
@@ -407,6 +414,44 @@ class DataParallel:
         )
         return new, metrics
 
+    def _offloaded_update(
+        self, grads: Any, norm: jax.Array, good: Any, state: TrainState, target: Any
+    ) -> tuple[Any, Any, Any]:
+        """``optimizer_cpu_offload``: the update (and the skip) bucket by bucket, each bucket's
+        master weights and optimizer state brought into device memory and written back
+        (:func:`jaxdp._src.strategy.offload.update_by_bucket`). Returns the new target cast to
+        the working dtypes on the device (what the working params are rebuilt from), the
+        optimizer state and the master weights as written back (``None`` without a master
+        copy)."""
+        strategy, sh = self.plan.strategy, self._shardings
+        clip, policy = strategy.spec.clip_grad, strategy.state_policy
+        dtypes = strategy.work_view_dtypes()
+
+        def update(g: Any, n: Any, ok: Any, opt: Any, tgt: Any) -> Any:
+            new_target, new_opt = optimizer_update(self.optimizer, g, n, opt, tgt, clip, policy)
+            if ok is not None:
+                new_target, new_opt = _pick(ok, new_target, tgt), _pick(ok, new_opt, opt)
+            # the working params' values, cast bucket by bucket: what stays on the device
+            # for the rebuild is in the working dtype, as in the on-device step's fusion
+            leaves, treedef = jax.tree_util.tree_flatten(new_target)
+            work = [x.astype(d) for x, d in zip(leaves, dtypes, strict=True)]
+            return new_target, new_opt, jax.tree_util.tree_unflatten(treedef, work)
+
+        buckets = strategy.master_codec.leaf_buckets(target)
+        unknown = jax.tree.map(lambda _: None, state.opt_state)
+        on_device = jax.tree.map(lambda _: None, target)
+        target_sh = sh.master if strategy.has_master else on_device
+        out_target_sh = sh.master if strategy.has_master else on_device
+        placed, computed = update_by_bucket(
+            update,
+            (grads, norm, good, state.opt_state, target),
+            (buckets, None, None, unknown, buckets),
+            (jax.tree.map(lambda _: None, grads), None, None, sh.opt_state, target_sh),
+            (out_target_sh, sh.opt_state, on_device),
+        )
+        master = placed[0] if strategy.has_master else None
+        return computed[2], placed[1], master
+
     # ------------------------------------------------------------------ export
     def params(self, state: TrainState) -> Any:
         """The full, unsharded params pytree, in the dtypes of the params given to ``init``.
@@ -417,7 +462,12 @@ class DataParallel:
         if state.master is None:
             return state.params
         if self._export is None:  # jit once: eval loops call this every few steps
-            self._export = jax.jit(self.plan.strategy.export, out_shardings=self._sharding(P()))
+            strategy, master_sh = self.plan.strategy, self._shardings.master
+
+            def export(master: Any) -> Any:  # an offloaded master is read on the device
+                return strategy.export(jax.tree.map(to_device, master, master_sh))
+
+            self._export = jax.jit(export, out_shardings=self._sharding(P()))
         return self._export(state.master)
 
     def model_state(self, state: TrainState) -> Any:
@@ -483,6 +533,11 @@ def _mesh_and_group(mesh: Any, config: DDPConfig) -> tuple[Mesh, ReductionGroup]
         hmesh = instance_mesh(flat, axis, n, names)
     optim = config.outer_dp_sharding_strategy == "optim"
     return hmesh, ReductionGroup(hmesh, inner, None, outer_axis=outer, shard_outer=optim)
+
+
+def _pick(good: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where the step is applied, else ``old`` (leaf by leaf)."""
+    return jax.tree.map(lambda n, o: jnp.where(good, n, o), new, old)
 
 
 def check_mesh(mesh: Any, data_axis: str, expert_axis: str | None) -> None:

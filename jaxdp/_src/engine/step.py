@@ -211,12 +211,16 @@ class Step:
         self._engine = engine
         self._jitted = jitted
 
-    def lower(self, state: TrainState, batch: Any) -> Any:
+    def lower(
+        self, state: TrainState, batch: Any, *, lowering_platforms: tuple[str, ...] | None = None
+    ) -> Any:
         """``jax.jit(...).lower`` of the step, for inspection and AOT compilation.
 
         ``state`` and ``batch`` may be abstract (``jax.eval_shape(dp.init, params)`` and
         ``jax.ShapeDtypeStruct`` batches): leaves without a sharding get the engine's own, so
         the program (donation, memory analysis) is the one ``step`` runs.
+        ``lowering_platforms``: lower for these platforms instead of the mesh's
+        (``jaxdp.aot.cross_compile_step``).
         """
         eng = self._engine
         eng.batch_guard.check(batch)
@@ -224,6 +228,9 @@ class Step:
         batch_sharding = eng.batch_sharding
         batch = jax.tree.map(lambda x: _with_sharding(x, batch_sharding), batch)
         try:
+            if lowering_platforms is not None:
+                traced = self._jitted.trace(state, batch)
+                return traced.lower(lowering_platforms=lowering_platforms)
             return self._jitted.lower(state, batch)
         except (AssertionError, NameError) as e:
             _explain_trace_error(eng, batch, e)

@@ -20,6 +20,10 @@ form:
 Beside the codecs, the :class:`StatePolicy` says each optimizer-state leaf's storage dtype
 (Adam's moments at the config's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``): what the state holds
 between steps and what the optax update computes with.
+
+Each codec also says which bucket each leaf of its view and of the optimizer state over it
+belongs to, and so, under an :class:`Offload` policy, in which memory it lives between steps
+(:meth:`Codec.placed`).
 """
 
 from __future__ import annotations
@@ -37,14 +41,39 @@ from ..optim.known import map_moments
 from ..topology.sharding import ShardingPlan
 
 __all__ = [
+    "DEVICE",
+    "HOST",
     "BlockCodec",
     "Codec",
     "InterleavedCodec",
     "MegatronCodec",
+    "Offload",
     "Owners",
     "ParamCodec",
     "StatePolicy",
 ]
+
+#: The memory kinds of offloaded and of device-resident state.
+HOST, DEVICE = "pinned_host", "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """The state policy of the ``optimizer_cpu_offload`` setting: the master weights and the
+    optimizer state of ``buckets`` (indices into ``BucketLayout.buckets``) live in pinned host
+    memory between steps, the rest in device memory. Optimizer-state leaves of no parameter
+    (step counts) live in host memory too.
+
+    Example:
+        >>> Offload(frozenset({0})).kind(0), Offload(frozenset({0})).kind(1)
+        ('pinned_host', 'device')
+    """
+
+    buckets: frozenset[int]
+
+    def kind(self, bucket: int | None) -> str:
+        """The memory kind of a leaf of ``bucket`` (``None``: a leaf of no parameter)."""
+        return HOST if bucket is None or bucket in self.buckets else DEVICE
 
 
 class Owners:
@@ -176,6 +205,34 @@ class Codec:
 
         return jax.tree_util.tree_map_with_path(one, abstract_opt)
 
+    # ------------------------------------------------------------------ memory
+    def leaf_buckets(self, view: Any) -> Any:
+        """The bucket of each leaf of a view (a tree like ``view``)."""
+        buckets = self.layout.view_leaf_buckets()
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(view), list(buckets))
+
+    def opt_buckets(self, abstract_opt: Any) -> Any:
+        """The bucket of each optimizer-state leaf over the view: its parameter's, or
+        ``None`` for leaves of no parameter (step counts)."""
+        slots = self.layout.slots
+
+        def one(path: Any, x: Any) -> int | None:
+            i = self._match(path, x.shape)
+            return None if i is None else slots[i].bucket
+
+        return jax.tree_util.tree_map_with_path(one, abstract_opt)
+
+    @staticmethod
+    def placed(shardings: Any, buckets: Any, offload: Offload) -> Any:
+        """``shardings`` (a tree) with each leaf's memory kind under ``offload``
+        (``buckets``: a tree like it of each leaf's bucket)."""
+        leaves, treedef_ = jax.tree_util.tree_flatten(shardings)
+        treedef: Any = treedef_
+        kinds = [offload.kind(b) for b in treedef.flatten_up_to(buckets)]
+        return jax.tree_util.tree_unflatten(
+            treedef, [s.with_memory_kind(k) for s, k in zip(leaves, kinds, strict=True)]
+        )
+
     # ------------------------------------------------------------------ optimizer state
     def opt_from_view(self, opt: Any, view: Any) -> Any:
         """Optimizer state over the view -> the same leaves in their parameters' shapes."""
@@ -272,6 +329,29 @@ class MegatronCodec(InterleavedCodec):
             )
 
         return jax.tree.map(lambda x: self.from_view(x) if is_view(x) else x, opt, is_leaf=is_view)
+
+    def opt_buckets(self, abstract_opt: Any) -> Any:
+        # the state over the view holds view-shaped subtrees (one array per bucket)
+        layout = self.layout
+        dummy = jax.tree_util.tree_unflatten(
+            layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in layout.slots]
+        )
+        view = jax.eval_shape(self.to_view, dummy)
+        view_def = jax.tree_util.tree_structure(view)
+        shapes = [a.shape for a in jax.tree.leaves(view)]
+
+        def is_view(x: Any) -> bool:
+            return (
+                _same_def(x, view_def)
+                and [getattr(a, "shape", None) for a in jax.tree.leaves(x)] == shapes
+            )
+
+        def one(x: Any) -> Any:
+            if is_view(x):
+                return jax.tree_util.tree_unflatten(view_def, list(range(len(shapes))))
+            return None
+
+        return jax.tree.map(one, abstract_opt, is_leaf=is_view)
 
     def opt_to_view(self, opt: Any, abstract_view_opt: Any) -> Any:
         layout = self.layout

@@ -11,6 +11,8 @@
   per layer), its bucket size (``bucket_size="auto"`` across nodes: the alpha-beta rule of
   :mod:`jaxdp._src.topology.links`) and what the link model predicts for it;
 * the **strategy** (:mod:`jaxdp._src.strategy.strategy`), with its codecs and gradient kernel;
+* the **state policy** of ``optimizer_cpu_offload``: which buckets' master weights and
+  optimizer state live in host memory (:func:`offload_of`);
 * the gradient mean's **divisor carried by the loss** (:mod:`jaxdp._src.strategy.loss_divisor`),
 held by
   the operations that reduce, which the kernel that differentiates reads it from.
@@ -39,10 +41,12 @@ from ..comm.wire import Wire
 from ..config.config import AUTO_BUCKET_SIZE, DDPConfig
 from ..core.loss import UnboundAxis
 from ..forms.codec import (
+    HOST,
     BlockCodec,
     Codec,
     InterleavedCodec,
     MegatronCodec,
+    Offload,
     ParamCodec,
     StatePolicy,
 )
@@ -79,6 +83,7 @@ __all__ = [
     "unbound_axis_error",
     "finds_stacks",
     "names_dot_operands",
+    "offload_of",
     "per_parameter_all_reduce",
     "per_parameter_collectives",
     "reduces_per_parameter",
@@ -156,6 +161,41 @@ def names_dot_operands(config: DDPConfig) -> bool:
         (True, False)
     """
     return config.remat_policy in ("gemm", "dots")
+
+
+def offload_of(config: DDPConfig, layout: BucketLayout, mesh: Any) -> Offload | None:
+    """The state policy of ``optimizer_cpu_offload`` (``None`` when it is off): the first
+    buckets of ``layout`` until their elements reach ``optimizer_offload_fraction`` of all
+    (Megatron offloads a share of the optimizer state; the first buckets hold the last
+    parameters, whose gradients are reduced first).
+
+    Raises ``ValueError`` on devices without a pinned host memory (compile-only devices: their
+    programs are compiled by ``jaxdp.aot.cross_compile_step``)."""
+    if not config.optimizer_cpu_offload:
+        return None
+    try:
+        kind = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=HOST)
+        ok = kind.memory_kind == HOST
+    except (ValueError, RuntimeError):
+        ok = False
+    if not ok:
+        dev = mesh.devices.flat[0]
+        raise ValueError(
+            "DDPConfig.optimizer_cpu_offload: got True; expected devices with a "
+            f"{HOST!r} memory, but {dev.platform} device {dev.id} has none (compile-only "
+            "devices have no memories). Fix: build the engine on devices that run (for a "
+            "compile-only GPU program, on CPU devices and compile it with "
+            "jaxdp.aot.cross_compile_step), or set optimizer_cpu_offload=False."
+        )
+    total = sum(b.numel for b in layout.buckets)
+    chosen: list[int] = []
+    acc = 0
+    for i, b in enumerate(layout.buckets):
+        if acc >= config.optimizer_offload_fraction * total:
+            break
+        chosen.append(i)
+        acc += b.numel
+    return Offload(frozenset(chosen))
 
 
 def unbound_axis_error(where: str, name: str, bound: tuple[str, ...], data_axis: Any) -> ValueError:
@@ -505,6 +545,7 @@ def _strategy(
         # The step is manual over the group's axes; on a mesh whose other axes hold no split
         # parameter, over all of them (the params are whole there).
         axis_names=set(group.mesh.axis_names if sharding.trivial else group.manual_axes),
+        offload=offload_of(config, layout, group.mesh),
     )
     # With micro-batches, accumulate per parameter (the GEMM's epilogue can do the add) where
     # the params are whole on each device; nested regions keep bucket accumulators.

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from ..comm.order import after
 from ..core.loss import LossCall, loss_parts
 from ..core.state import TrainState
-from ..forms.codec import Codec, StatePolicy
+from ..forms.codec import Codec, Offload, StatePolicy
 from ..layout.layout import BucketLayout
 from ..topology.group import ReductionGroup
 from ..topology.sharding import ShardingPlan
@@ -89,6 +89,8 @@ class Strategy:
             with a ``psum`` on the wire, and wherever ``gathers_per_parameter`` holds.
         params_sharded: the working params are kept sharded between steps (stage 3, and
             stages 1-2 with ``overlap_param_gather``).
+        offload: which buckets' master weights and optimizer state live in host memory
+            between steps (:class:`jaxdp._src.forms.codec.Offload`), or ``None``.
     """
 
     name = ""
@@ -111,12 +113,14 @@ class Strategy:
         master_codec: Codec,
         params_codec: Codec,
         axis_names: Any,
+        offload: Offload | None = None,
     ):
         self.spec, self.layout, self.sharding, self.group = spec, layout, sharding, group
         self.optimizer, self.ops, self.make_kernel = optimizer, ops, kernel
         self.state_policy = state_policy
         self.master_codec, self.params_codec = master_codec, params_codec
         self.axis_names = axis_names  # the step's manual axes
+        self.offload = offload
         self.master_dtype = (
             jnp.float64 if any(s.dtype == "float64" for s in layout.slots) else jnp.float32
         )
@@ -162,14 +166,28 @@ class Strategy:
     def state_shardings(self, abstract: TrainState) -> TrainState:
         """The ``NamedSharding`` of every leaf of an (abstract) state."""
         codec = self.master_codec if self.has_master else self.params_codec
+        master = None if abstract.master is None else self.master_codec.shardings(abstract.master)
+        opt = codec.opt_shardings(abstract.opt_state)
+        if self.offload is not None:  # the state policy: each leaf's memory kind
+            if master is not None:
+                buckets = self.master_codec.leaf_buckets(abstract.master)
+                master = codec.placed(master, buckets, self.offload)
+            opt = codec.placed(opt, codec.opt_buckets(abstract.opt_state), self.offload)
         return TrainState(
             step=NamedSharding(self.sharding.mesh, P()),  # type: ignore[arg-type]
             params=self.params_codec.shardings(abstract.params),
-            master=None
-            if abstract.master is None
-            else self.master_codec.shardings(abstract.master),
-            opt_state=codec.opt_shardings(abstract.opt_state),
+            master=master,
+            opt_state=opt,
         )
+
+    def work_view_dtypes(self) -> list[Any]:
+        """The working dtype of each leaf of the optimizer's target (the master view: one
+        leaf per bucket with the megatron layout, else one per parameter)."""
+        if not self.has_master:
+            return list(self.work_dtypes)
+        if self.layout.kind == "megatron":
+            return [jnp.dtype(b.dtype) for b in self.layout.buckets]
+        return list(self.work_dtypes)
 
     def target(self, state: TrainState) -> Any:
         """What the optimizer updates: the master weights (or the params without them)."""
