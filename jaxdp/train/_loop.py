@@ -323,7 +323,11 @@ class Trainer:
             return 0
         records = log.records if log is not None else []
         layout = eng.layout
-        state_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state))
+        leaves = jax.tree.leaves(self.state)
+        on_host = [x.sharding.memory_kind == "pinned_host" for x in leaves]
+        shard_bytes = [x.addressable_shards[0].data.nbytes for x in leaves]
+        state_bytes = sum(b for b, h in zip(shard_bytes, on_host, strict=True) if not h)
+        host_bytes = sum(b for b, h in zip(shard_bytes, on_host, strict=True) if h)
         step_time = steady_time / steady_steps if steady_steps else compile_s
         info = {
             "params": n_params,
@@ -333,6 +337,7 @@ class Trainer:
             "buckets": len(layout.buckets),
             "bucket_numel": sum(b.numel for b in layout.buckets),
             "state_bytes_per_device": state_bytes,
+            "host_state_bytes_per_device": host_bytes,
             "bytes_per_step": eng.plan.strategy.bytes_per_step(),
             "bytes_across_instances": eng.plan.strategy.bytes_across_instances(),
             "first_step": start,

@@ -79,7 +79,16 @@ def summary_table(info: dict[str, Any]) -> Table:
         ("devices", info["devices"]),
         ("ZeRO stage / micro-batches", f"{info['zero_stage']} / {info['num_microbatches']}"),
         ("buckets", f"{info['buckets']} ({info['bucket_numel']:,} elements)"),
-        ("train state per device", _mib(info["state_bytes_per_device"])),
+        (
+            "train state per device",
+            _mib(info["state_bytes_per_device"])
+            + (
+                f" (+ {_mib(info['host_state_bytes_per_device'])} in host memory: "
+                "optimizer_cpu_offload)"
+                if info.get("host_state_bytes_per_device")
+                else ""
+            ),
+        ),
         ("bytes moved per step per rank", _mib(info["bytes_per_step"])),
         ("of which across instances", _mib(info.get("bytes_across_instances", 0))),
         ("steps", f"{info['first_step']} -> {info['last_step']}"),
