@@ -230,7 +230,16 @@ def test_compiled_outer_reduction_runs_once_per_step(h100, stage, strategy):
     )
     mesh = jaxdp.make_mesh(list(h100.devices.ravel()))
     eng = DataParallel(loss_fn, optax.adamw(1e-3), cfg, mesh=mesh)
-    text = compile_step(eng, params, batch).as_text()
+    compiled = compile_step(eng, params, batch)
+    text = compiled.as_text()
+    # jaxdp.aot's own report knows the level across instances
+    from jaxdp.aot import collective_roles, schedule_report
+
+    report = schedule_report(compiled)
+    roles = collective_roles(report, eng)
+    assert "grad outer" in roles and not any(r.startswith("grad outer (") for r in roles)
+    if strategy == "optim":
+        assert any(r.startswith("param outer") for r in roles)
     inner, outer = [], []
     for op, in_loop, groups, line in _gradient_collectives(text):
         sizes = {len(g) for g in groups}

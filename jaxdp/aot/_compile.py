@@ -260,6 +260,12 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     the working dtype, or a gradient collective in the wire dtype, of at most the largest
     bucket's elements is a ``"param group"`` / ``"grad group"``. Collectives of the micro-batch
     loop get ``" (loop)"`` appended.
+
+    With distributed-optimizer instances (``num_distributed_optimizer_instances``) the
+    collectives over one rank per instance (groups of the instance count) are the level
+    across instances: ``"grad outer"`` (the instance's shard all-reduced or reduce-scattered,
+    once per step) and ``"param outer"`` (the updated shard gathered back); those within an
+    instance are labelled as above.
     """
     _check_engine("collective_roles", dp)
     numels = {b.numel for b in dp.layout.buckets}
@@ -270,8 +276,12 @@ def collective_roles(report: ScheduleReport, dp: DataParallel) -> list[str]:
     wire = {_HLO_DTYPES.get(jnp.dtype(b.grad_dtype).name) for b in dp.layout.buckets}
     work = {_HLO_DTYPES.get(jnp.dtype(b.dtype).name) for b in dp.layout.buckets}
     roles = []
+    group = dp.group
+    outer = group.outer_size if group.outer_axis and group.outer_size != group.inner_size else 0
     for c in report.collectives:
-        if c.elements in numels and c.operands == 1 and c.kind in grad:
+        if outer and c.group_size == outer and c.elements > 1:
+            roles.append("param outer" if c.kind == "all-gather" else "grad outer")
+        elif c.elements in numels and c.operands == 1 and c.kind in grad:
             roles.append("grad bucket")
         elif c.elements in numels and c.operands == 1 and c.kind == "all-gather":
             roles.append("param bucket")

@@ -14,6 +14,8 @@ needs a profile of a real run).
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +65,8 @@ class Collective:
             ``transpose(jvp(...))`` in the ops' metadata).
         start_index: position of the start (or the op) in its computation's schedule.
         done_index: position of the done (equal to ``start_index`` when synchronous).
+        group_size: ranks per replica group (every form XLA prints), or 0 where the op does
+            not say (a generic ``async-start``'s wrapped collective).
     """
 
     kind: str
@@ -81,6 +85,7 @@ class Collective:
     backward_between: int
     start_index: int
     done_index: int
+    group_size: int = 0
 
     @property
     def dtype(self) -> str:
@@ -224,6 +229,26 @@ def _human_bytes(n: int) -> str:
     return str(n)  # pragma: no cover
 
 
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=|mesh\[[^\]]*\][^{]*\{[^}]*\})")
+
+
+def replica_group_size(attrs: str) -> int:
+    """Ranks per replica group of a collective's HLO attributes: ``{{0,1,..},..}``, the iota
+    form ``[groups,size]<=[..]``, or the mesh form ``mesh['a'=4,'b'=2] ... {'a'}`` (the
+    product of the named axes); 0 where none is printed."""
+    m = _GROUPS.search(attrs)
+    if m is None:
+        return 0
+    g = m.group(1)
+    if g.startswith("{{"):
+        return len([v for v in g[2:].split("}")[0].split(",") if v])
+    if g.startswith("["):
+        return int(g[1:].split("]")[0].split(",")[-1])
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", g))
+    named = re.findall(r"'(\w+)'", g.rsplit("{", 1)[1])
+    return math.prod(int(sizes[a]) for a in named if a in sizes)
+
+
 def _collective(
     kind: str,
     start: _Instr,
@@ -262,6 +287,7 @@ def _collective(
         backward_between=sum(_BACKWARD_MARK in b.op_name for b in between),
         start_index=si,
         done_index=di,
+        group_size=replica_group_size(start.attrs),
     )
 
 
