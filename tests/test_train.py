@@ -277,3 +277,20 @@ def test_spike_checks_are_counted_in_the_log_and_summary(tmp_path, tiny, capsys)
     printed = capsys.readouterr().out
     assert "skipped 1 step(s) up to step 1" in printed
     assert "skipped steps (abnormal gradient)" in printed
+
+
+def test_bf16_moments_reach_the_engine_and_summary(tmp_path, tiny, capsys):
+    """--set exp_avg_dtype / exp_avg_sq_dtype (Megatron's short names too) store the moments
+    in bfloat16; the summary reports the optimizer state and its moments' dtypes."""
+    out = str(tmp_path / "m")
+    sets = ["--set", "exp_avg_dtype=bf16", "--set", "ddp.exp_avg_sq_dtype=bfloat16"]
+    assert main(["--config", tiny, "--out", out, "--steps", "2", *sets]) == 0
+    with open(os.path.join(out, "config.yaml")) as f:
+        ddp = yaml.safe_load(f)["ddp"]
+    assert (ddp["exp_avg_dtype"], ddp["exp_avg_sq_dtype"]) == ("bfloat16", "bfloat16")
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["moment_dtypes"] == ["bfloat16", "bfloat16"]
+    assert 0 < summary["opt_state_bytes_per_device"] < summary["state_bytes_per_device"]
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "of which optimizer state" in printed and "Adam moments: bfloat16" in printed

@@ -328,6 +328,9 @@ class Trainer:
         shard_bytes = [x.addressable_shards[0].data.nbytes for x in leaves]
         state_bytes = sum(b for b, h in zip(shard_bytes, on_host, strict=True) if not h)
         host_bytes = sum(b for b, h in zip(shard_bytes, on_host, strict=True) if h)
+        opt_bytes = sum(
+            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state.opt_state)
+        )
         step_time = steady_time / steady_steps if steady_steps else compile_s
         info = {
             "params": n_params,
@@ -338,6 +341,8 @@ class Trainer:
             "bucket_numel": sum(b.numel for b in layout.buckets),
             "state_bytes_per_device": state_bytes,
             "host_state_bytes_per_device": host_bytes,
+            "opt_state_bytes_per_device": opt_bytes,
+            "moment_dtypes": (self.ddp.exp_avg_dtype, self.ddp.exp_avg_sq_dtype),
             "bytes_per_step": eng.plan.strategy.bytes_per_step(),
             "bytes_across_instances": eng.plan.strategy.bytes_across_instances(),
             "first_step": start,

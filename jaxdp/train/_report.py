@@ -89,6 +89,12 @@ def summary_table(info: dict[str, Any]) -> Table:
                 else ""
             ),
         ),
+        (
+            "of which optimizer state",
+            f"{_mib(info['opt_state_bytes_per_device'])} (Adam moments: "
+            + " / ".join(info["moment_dtypes"])
+            + ")",
+        ),
         ("bytes moved per step per rank", _mib(info["bytes_per_step"])),
         ("of which across instances", _mib(info.get("bytes_across_instances", 0))),
         ("steps", f"{info['first_step']} -> {info['last_step']}"),
