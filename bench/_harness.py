@@ -177,7 +177,8 @@ def plot_target(plots: str | None, name: str) -> tuple[str, str]:
 
 def splice_section(path: str, number: int, text: str) -> None:
     r"""Replace section ``number`` of ``path``, from its ``## N.`` heading up to the next
-    ``## `` heading, by ``text``; the rest of the file is kept as it was.
+    ``## `` heading, by ``text``; the rest of the file is kept as it was. A section numbered
+    after every one the file has is appended.
 
     >>> import os, tempfile
     >>> p = os.path.join(tempfile.mkdtemp(), "B.md")
@@ -199,6 +200,11 @@ def splice_section(path: str, number: int, text: str) -> None:
         doc = f.read()
     m = re.search(rf"^## {number}\. .*?(?=^## |\Z)", doc, re.M | re.S)
     if m is None:
+        numbers = [int(n) for n in re.findall(r"^## (\d+)\. ", doc, re.M)]
+        if numbers and number > max(numbers):  # a new last section: appended
+            with open(path, "w") as f:
+                f.write(doc.rstrip() + "\n\n" + text.rstrip() + "\n")
+            return
         raise SystemExit(f"run_all: {path} has no section {number} to replace; run without --only")
     with open(path, "w") as f:
         f.write(doc[: m.start()] + text.rstrip() + "\n\n" + doc[m.end() :])

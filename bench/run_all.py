@@ -4,7 +4,8 @@ Run from the repository root:  python bench/run_all.py [--out BENCHMARKS.md]
 
 Runs every benchmark in bench/ (layout, step time, memory on CPU and on compile-only H100s,
 communication, numerics vs N, compile time, scaling, gradient-accumulation fusion, traffic
-against GSPMD peers, cluster figures predicted from compiled programs) on 8 simulated CPU
+against GSPMD peers, cluster figures predicted from compiled programs, hierarchical data
+parallelism, bfloat16 Adam moments) on 8 simulated CPU
 devices and writes their tables, plots (PNG, linked),
 readings (``bench/readings/*.md``, with this run's numbers put in), the command, the machine
 and the software versions into one Markdown file. About 20 minutes on a 2-core machine;
@@ -50,7 +51,10 @@ SECTIONS: dict[str, tuple[int, str, str]] = {
         "Hierarchical data parallelism on 8 x H100, compile-only",
         "bench_hierarchical",
     ),
+    "moments": (16, "Adam's moments in bfloat16", "bench_moments"),
 }
+#: The GPU section's number: measured on a GPU by bench_gpu.py, kept by a CPU run.
+GPU_SECTION = 13
 
 
 def section(name: str, quick: bool, plots: str | None) -> str:
@@ -134,10 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.plots is not None:
         os.makedirs(args.plots, exist_ok=True)  # before minutes of benchmarks, not after
     t_start = time.perf_counter()
-    # sections numbered after the GPU's (13) follow it
     texts = {name: section(name, args.quick, args.plots) for name in SECTIONS}
-    sections = "\n\n".join(t for n, t in texts.items() if SECTIONS[n][0] < 13)
-    later = "\n\n".join(t for n, t in texts.items() if SECTIONS[n][0] > 13)
+    before = "\n\n".join(t for n, t in texts.items() if SECTIONS[n][0] < GPU_SECTION)
+    after = "".join(f"\n\n{t}" for n, t in texts.items() if SECTIONS[n][0] > GPU_SECTION)
     total = time.perf_counter() - t_start
     doc = f"""# jaxdp benchmarks
 
@@ -148,13 +151,11 @@ Method: GUIDE.md §4. Only ratios measured in the same process mean something on
 
 {H.machine()}
 
-{sections}
+{before}
 
-## 13. GPU: `bench/bench_gpu.py` <a id="bench_gpu"></a>
+## {GPU_SECTION}. GPU: `bench/bench_gpu.py` <a id="bench_gpu"></a>
 
-{gpu_block(args.out)}
-
-{later}
+{gpu_block(args.out)}{after}
 """
     with open(args.out, "w") as f:
         f.write(doc)

@@ -24,6 +24,7 @@ SECTIONS = (
     "## 13. GPU: `bench/bench_gpu.py`",
     "## 14. Planning figures for clusters (predicted)",
     "## 15. Hierarchical data parallelism on 8 x H100, compile-only",
+    "## 16. Adam's moments in bfloat16",
 )
 
 
