@@ -13,6 +13,7 @@
 * the **strategy** (:mod:`jaxdp._src.strategy.strategy`), with its codecs and gradient kernel;
 * the **state policy** of ``optimizer_cpu_offload``: which buckets' master weights and
   optimizer state live in host memory (:func:`offload_of`);
+* the optimizer state's **storage dtypes** (:func:`state_policy`: Adam's moments in bfloat16);
 * the gradient mean's **divisor carried by the loss** (:mod:`jaxdp._src.strategy.loss_divisor`),
 held by
   the operations that reduce, which the kernel that differentiates reads it from.
