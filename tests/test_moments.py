@@ -106,6 +106,45 @@ def _check_stored(dp, state, dtypes):
             assert x.addressable_shards[0].data.size == x.size // dp.dp
 
 
+def _assert_rounded_alike(got, want, dtype, rtol, what):
+    """Stored moments against the reference's: to ``rtol`` where they are fp32, else equal
+    but for elements one storage ulp apart (the engine's and the reference's fp32 values,
+    equal to fp32 rounding, can straddle a rounding boundary), and those few (at most 1%)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if dtype == F32:
+        assert_trees_close(got, want, rtol=rtol, what=what)
+        return
+    bits = [x.astype(jnp.bfloat16).view(np.int16).astype(np.int32) for x in (got, want)]
+    near = np.abs(got - want) <= rtol * np.linalg.norm(want)  # across zero
+    assert np.all((np.abs(bits[0] - bits[1]) <= 1) | near), what
+    assert np.mean(got != want) <= 0.01, (what, np.mean(got != want))
+
+
+def _compare(dp, ref, dtypes, rtol, steps=3):
+    """``steps`` engine steps against the reference, each from the engine's own state (the
+    reference restarted from its params and its moments): a rounding flip in one step is not
+    carried into the next as an error of the engine."""
+    params = mlp_params()
+    state, ref_state = dp.init(params), ref.init(params)
+    _check_stored(dp, state, dtypes)
+    for s in range(steps):
+        ref_state = ref.restart(ref_state, dp, state)
+        opt = jax.tree.leaves(jax.device_get(dp.plan.strategy.to_canonical(state)[2]))
+        opt = [x.astype(np.float32) if x.dtype == jnp.bfloat16 else x for x in opt]
+        ref_state = ref_state._replace(
+            opt_state=jax.tree.unflatten(jax.tree.structure(ref_state.opt_state), opt)
+        )
+        batch = make_batch(48, seed=s)
+        state, _ = dp.step(state, dp.shard_batch(batch))
+        ref_state, _ = ref.step(ref_state, batch)
+        _check_stored(dp, state, dtypes)
+        got, want = _canonical_moments(dp, state), _moments(ref_state.opt_state)
+        assert [r for r, _ in got] == [r for r, _ in want]
+        for i, ((role, g), (_, w)) in enumerate(zip(got, want, strict=True)):
+            _assert_rounded_alike(g, w, dtypes.get(role, F32), rtol, f"step {s}: {role} #{i}")
+        assert_trees_close(dp.params(state), ref.params(ref_state), rtol=rtol, what="params")
+
+
 CASES = [
     # (stage, dp, exp_avg_dtype, exp_avg_sq_dtype, extra config)
     (0, 6, BF16, BF16, {}),
@@ -115,7 +154,6 @@ CASES = [
     (1, 3, BF16, F32, {}),
     (3, 3, F32, BF16, {}),
     (1, 6, BF16, BF16, {"bucket_layout": "megatron", "bucket_size": 200}),
-    (2, 8, BF16, BF16, {"param_dtype": "bfloat16"}),  # bf16 gradients: bf16's tolerance
 ]
 
 
@@ -125,18 +163,33 @@ def test_moments_match_a_rounding_reference(stage, ndev, avg, avg_sq, extra):
     dtypes = {r: d for r, d in (("exp_avg", avg), ("exp_avg_sq", avg_sq)) if d != F32}
     dp = _engine(ndev, OPTIMIZERS["adamw"](), **cfg)
     ref = Reference(mse_loss, rounding(OPTIMIZERS["adamw"](), dtypes), DDPConfig(**extra), dp=ndev)
-    state, ref_state = dp.init(mlp_params()), ref.init(mlp_params())
-    _check_stored(dp, state, dtypes)
+    _compare(dp, ref, dtypes, tolerance(jnp.float32))
+
+
+def test_bf16_params_and_moments_match_at_bf16_tolerance():
+    """bf16 working params: the gradients themselves differ from the reference's at bf16's
+    rounding, and so do the moments computed from them (stage 2, dp = 8)."""
+    extra = {"param_dtype": "bfloat16"}
+    dtypes = {"exp_avg": BF16, "exp_avg_sq": BF16}
+    dp = _engine(
+        8,
+        OPTIMIZERS["adamw"](),
+        zero_stage=2,
+        exp_avg_dtype=BF16,
+        exp_avg_sq_dtype=BF16,
+        **extra,
+    )
+    ref = Reference(mse_loss, rounding(OPTIMIZERS["adamw"](), dtypes), DDPConfig(**extra), dp=8)
+    params = mlp_params()
+    state, ref_state = dp.init(params), ref.init(params)
     for s in range(3):
         batch = make_batch(48, seed=s)
         state, _ = dp.step(state, dp.shard_batch(batch))
         ref_state, _ = ref.step(ref_state, batch)
     _check_stored(dp, state, dtypes)
+    rtol = tolerance(jnp.bfloat16)
     got, want = _canonical_moments(dp, state), _moments(ref_state.opt_state)
-    assert [r for r, _ in got] == [r for r, _ in want]
-    rtol = tolerance(extra.get("param_dtype", jnp.float32))
     for i, ((role, g), (_, w)) in enumerate(zip(got, want, strict=True)):
-        # The reference holds the rounded values in float32: they are exactly representable.
         assert_trees_close(g.astype(jnp.float32), w, rtol=rtol, what=f"{role} #{i}")
     assert_trees_close(dp.params(state), ref.params(ref_state), rtol=rtol, what="params")
 
@@ -147,17 +200,7 @@ def test_adam_family_moments_match_a_rounding_reference(name):
     fields = {f"{role}_dtype": d for role, d in dtypes.items()}
     dp = _engine(3, OPTIMIZERS[name](), zero_stage=2, **fields)
     ref = Reference(mse_loss, rounding(OPTIMIZERS[name](), dtypes), DDPConfig(), dp=3)
-    state, ref_state = dp.init(mlp_params()), ref.init(mlp_params())
-    for s in range(3):
-        batch = make_batch(48, seed=s)
-        state, _ = dp.step(state, dp.shard_batch(batch))
-        ref_state, _ = ref.step(ref_state, batch)
-    _check_stored(dp, state, dtypes)
-    rtol = tolerance(jnp.float32)
-    got, want = _canonical_moments(dp, state), _moments(ref_state.opt_state)
-    for (role, g), (_, w) in zip(got, want, strict=True):
-        assert_trees_close(g.astype(jnp.float32), w, rtol=rtol, what=role)
-    assert_trees_close(dp.params(state), ref.params(ref_state), rtol=rtol, what="params")
+    _compare(dp, ref, dtypes, tolerance(jnp.float32))
 
 
 def test_moments_are_narrowed_only_when_asked():
