@@ -16,11 +16,11 @@ Levels:
   over the node's 8 GPUs (NVLink), and its 1/8 shard all-reduced over the ``m`` nodes (one ring
   per GPU, each over its own NIC); parameters are gathered within the node only.
 
-Until hierarchical programs can be compiled (the feature is being built), the hierarchical
-levels are derived from the flat program's collectives: the inner reduce-scatter moves what the
-flat one moves, the outer all-reduce 1/8 of it. :func:`levels_of_program` is where a compiled
-hierarchical program will be read instead: it already splits collectives by replica-group
-size.
+The hierarchical levels at 8 GPUs per node are derived from the flat program's collectives:
+the inner reduce-scatter moves what the flat one moves, the outer all-reduce 1/8 of it. This
+machine has 8 compile-only devices, so a compiled hierarchical program has instances of 4:
+:func:`check_derivation` compiles one (``num_distributed_optimizer_instances=2``) and holds its
+levels (:func:`levels_of_program`, by replica-group size) against the same derivation.
 
 The 7B GPT is not compiled (too heavy for this machine): its bytes are its parameter count
 times the wire dtype, in as many buckets as Megatron's default size gives it; the 304M
@@ -151,9 +151,10 @@ def _ms(s: float) -> str:
 
 
 # ---------------------------------------------------------------------- the measurement
-def compile_gpt(quick: bool, wire: str) -> tuple[str, int, int, float]:
+def compile_gpt(quick: bool, wire: str, instances: int = 1) -> tuple[str, int, int, float]:
     """The 304M GPT's stage-1 step compiled for 8 compile-only H100s: ``(text, params,
-    buckets, seconds)``."""
+    buckets, seconds)``; with ``instances`` > 1 as that many distributed-optimizer instances
+    (``no_shard``) of consecutive devices."""
     from jaxdp import aot
 
     cfg = (
@@ -166,12 +167,20 @@ def compile_gpt(quick: bool, wire: str) -> tuple[str, int, int, float]:
         lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))["params"]
     )
     batch = {"tokens": jax.ShapeDtypeStruct((8, cfg.context + 1), jnp.int32)}
-    ddp = DDPConfig(zero_stage=1, param_dtype="bfloat16", grad_reduce_in_fp32=wire == "fp32")
+    ddp = DDPConfig(
+        zero_stage=1,
+        param_dtype="bfloat16",
+        grad_reduce_in_fp32=wire == "fp32",
+        num_distributed_optimizer_instances=instances,
+    )
 
     def loss_fn(p: Any, b: Any) -> Any:
         return next_byte_loss(model, p, b)
 
-    dp = DataParallel(loss_fn, optax.adamw(1e-3), ddp, mesh=aot.h100_mesh(8))
+    mesh: Any = aot.h100_mesh(8)
+    if instances > 1:  # the engine groups the devices into instances
+        mesh = list(mesh.devices.ravel())
+    dp = DataParallel(loss_fn, optax.adamw(1e-3), ddp, mesh=mesh)
     t0 = time.perf_counter()
     text = aot.compile_step(dp, params, batch).as_text()
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
@@ -222,6 +231,28 @@ def rows_for(model: str, per_wire: dict[str, tuple[list[Any], list[Any]]]) -> li
     return rows
 
 
+def check_derivation(quick: bool, grads: list[Any], gathers: list[Any]) -> str:
+    """The derivation of the hierarchical levels from the flat program, held against a
+    compiled hierarchical program: the same GPT with 2 instances of 4 devices on the 8
+    compile-only H100s (bf16 wire). Within the instance its reduce-scatters and gathers move
+    the flat program's bytes; across instances its all-reduces move 1/4 of the gradient's."""
+    text, _, _, seconds = compile_gpt(quick, "bf16", instances=2)
+    levels = levels_of_program(text, 8, 4)
+    inner_rs = sum(b for k, b in levels["inner"] if k == "reduce-scatter")
+    inner_ag = sum(b for k, b in levels["inner"] if k == "all-gather")
+    outer = sum(b for _, b in levels["outer"])
+    want_rs, want_ag = sum(b for _, b in grads), sum(b for _, b in gathers)
+    return (
+        "Check of the derivation against a compiled hierarchical program (the same GPT, "
+        "`num_distributed_optimizer_instances=2`: 2 instances of 4 on the 8 compile-only "
+        f"H100s, bf16 wire, compiled in {seconds:.0f} s): within the instance "
+        f"{inner_rs / 1e9:.3f} GB reduce-scattered (derived: {want_rs / 1e9:.3f}) and "
+        f"{inner_ag / 1e9:.3f} GB gathered (derived: {want_ag / 1e9:.3f}); across instances "
+        f"{outer / 1e9:.3f} GB all-reduced (derived, 1/4 of the gradient: "
+        f"{want_rs / 4 / 1e9:.3f}); over all 8: {len(levels['flat'])} collectives."
+    )
+
+
 def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     del plots
     compiled: dict[str, tuple[list[Any], list[Any]]] = {}
@@ -241,6 +272,7 @@ def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
             f"({sum(b for _, b in gathers) / 1e9:.3f} GB) for {buckets} layout buckets; "
             f"compiled in {seconds:.0f} s"
         )
+    check = check_derivation(quick, *compiled["bf16"])
     if quick:
         compiled["fp32"] = compiled["bf16"]
     big = {
@@ -299,9 +331,10 @@ def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
             "The 7B GPT (6.74B params) is not compiled: its bytes are Ψ x the wire dtype "
             f"(bf16 params gathered), in {-(-PARAMS_7B // default_bucket_size(8))} buckets of "
             "the default 40M elements, which is what the 304M program shows (ratio above). The "
-            "hierarchical levels are derived from the flat program (inner reduce-scatter of the "
-            "same bytes, outer all-reduce of 1/8), not compiled: `levels_of_program` reads "
-            "them by replica-group size once hierarchical DP compiles.",
+            "hierarchical levels at 8 GPUs per node are derived from the flat program (inner "
+            "reduce-scatter of the same bytes, outer all-reduce of 1/8): this machine has 8 "
+            "compile-only devices, so a compiled hierarchical program has instances of 4.",
+            check,
             model,
             table,
         ]
