@@ -343,3 +343,39 @@ def test_two_level_data_axis_errors(cfg, mesh_shape, match):
         mesh = jax.make_mesh(*mesh_shape) if mesh_shape else None
         DataParallel(mse_loss, optax.sgd(0.1), DDPConfig(**cfg), mesh=mesh)
     assert "Fix" in str(e.value)
+
+
+# ------------------------------------------------------------- with the other state features
+def test_composes_with_bf16_moments_offload_and_spike_checks():
+    """Instances with bf16 Adam moments, the optimizer state in host memory and both spike
+    checks: the flat engine's training to fp32 rounding (the moments are rounded the same way
+    on both), and a non-finite batch skipped with the state unchanged."""
+    common = dict(
+        zero_stage=1,
+        num_microbatches=2,
+        exp_avg_dtype="bfloat16",
+        exp_avg_sq_dtype="bfloat16",
+        optimizer_cpu_offload=True,
+        grad_norm_skip_threshold=1e6,
+        check_for_large_grads=True,
+    )
+    opt = optax.adamw(1e-2)
+    batches = _batches(32)
+    flat_eng = _engine(8, opt, **common)
+    flat_state, flat_norms = _run(flat_eng, batches)
+    eng = _engine(
+        8, opt, num_distributed_optimizer_instances=2, outer_dp_sharding_strategy="optim", **common
+    )
+    state, norms = _run(eng, batches)
+    np.testing.assert_allclose(norms, flat_norms, rtol=1e-5)
+    assert max_rel_err(eng.params(state), flat_eng.params(flat_state)) < 1e-4
+    mu = state.opt_state[0].mu
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(mu))
+    assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(mu))
+    bad = dict(batches[0], x=batches[0]["x"].at[0, 0].set(jnp.nan))
+    before = [np.asarray(x) for x in jax.tree.leaves((state.master, state.opt_state))]
+    after, m = eng.step(state, eng.shard_batch(bad))  # the state is donated
+    assert int(m["skipped"]) == 1
+    now = [np.asarray(x) for x in jax.tree.leaves((after.master, after.opt_state))]
+    for a, b in zip(now, before, strict=True):
+        np.testing.assert_array_equal(a, b)
