@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 import time
 from typing import Any
@@ -60,31 +59,21 @@ from jaxdp._src.topology.links import (
     ring_link,
 )
 from jaxdp.aot._hlo import _DTYPE_BYTES, _arrays, _base_kind, _computations
+from jaxdp.aot._report import replica_group_size
 from jaxdp.models.gpt import GPT, GPTConfig, next_byte_loss
 
 NODES = (1, 2, 4, 16, 64)
 PER_NODE = 8
 PARAMS_7B = 6_738_415_616  # Llama-2-7B's count, for a 7B GPT of the same size
 WIRES = {"bf16": 2, "fp32": 4}
-_GROUPS = re.compile(
-    r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\][^,]*|mesh\[[^\]]*\])"
-)
 
 
 # ---------------------------------------------------------------------- the program reader
 def group_size(attrs: str, devices: int) -> int:
-    """Ranks per replica group of a collective's attributes: ``{{0,1,..}}``, the iota form
-    ``[groups,size]<=[..]``, or the mesh form ``mesh['axis'=n, ..]`` (every axis named: their
-    product); ``devices`` when none is given (all of them)."""
-    m = _GROUPS.search(attrs)
-    if m is None:
-        return devices
-    g = m.group(1)
-    if g.startswith("{{"):
-        return len(g[2:].split("}")[0].split(","))
-    if g.startswith("["):
-        return int(g[1:].split("]")[0].split(",")[-1])
-    return math.prod(int(n) for n in re.findall(r"=(\d+)", g)) or devices
+    """Ranks per replica group of a collective's attributes (every form XLA prints:
+    :func:`jaxdp.aot._report.replica_group_size`; the mesh form counts the named axes only),
+    ``devices`` when none is given (all of them)."""
+    return replica_group_size(attrs) or devices
 
 
 def collectives_of(text: str, devices: int) -> list[tuple[str, int, int, int]]:
