@@ -45,6 +45,7 @@ from ..comm.order import after
 from ..comm.reduce import finish_deferred
 from ..core.fusion import fused_function
 from ..layout.layout import BucketLayout
+from ..platform.gemm_padding import backward_fence
 from ..zero3.gather import varying_over, zero3_divisors
 from .loss_divisor import value_and_divided_grad
 from .spec import StepSpec
@@ -164,12 +165,15 @@ class Reduction:
         partial gradients and inserts no psum per use."""
         wv = k.ops.varying(k.source(params))
         d = k.ops.loss_divisor  # carried by the loss; the reductions only sum (ops)
+        # StepSpec.fence_backward: weights XLA may pad; their padded copies stay out of the
+        # forward pass (jaxdp._src.platform.gemm_padding)
+        fence = backward_fence if k.spec.fence_backward else (lambda f: f)
         if not k.spec.fusion:
-            return wv, value_and_divided_grad(k.parts, d), k.parts
+            return wv, value_and_divided_grad(fence(k.parts), d), k.parts
         # jaxdp.nn kernels differentiated as fp32: those of nn.scan stacks lifted once, here,
         # the others in each micro-batch's own body (jaxdp._src.core.fusion.Lift says why).
         lift, fused = fused_function(k.parts, wv, mb0)
-        vg = value_and_divided_grad(fused, d)
+        vg = value_and_divided_grad(fence(fused), d)
         within = lift.within
         return lift.ahead(wv), lambda w, mb: vg(within(w), mb), lambda w, mb: fused(within(w), mb)
 

@@ -54,6 +54,7 @@ from ..forms.codec import (
 from ..layout.layout import BucketLayout, rules_of
 from ..optim.check import check_optimizer
 from ..optim.known import MOMENT_STATES, moment_roles, state_names
+from ..platform.gemm_padding import unaligned
 from ..topology.group import ReductionGroup
 from ..topology.links import BucketChoice, auto_bucket_bytes, nodes_of, ring_link
 from ..topology.sharding import ShardingPlan
@@ -197,6 +198,22 @@ def offload_of(config: DDPConfig, layout: BucketLayout, mesh: Any) -> Offload | 
         chosen.append(i)
         acc += b.numel
     return Offload(frozenset(chosen))
+
+
+def fences_backward(config: DDPConfig, layout: BucketLayout, platform: str = "gpu") -> bool:
+    """Stages 0-2 with a weight whose GEMM widths are off XLA's grid (a width of 724 bf16
+    elements): the loss is differentiated behind a fence, so that XLA:GPU cannot build the
+    backward's padded copies of such weights in the forward pass
+    (:mod:`jaxdp._src.platform.gemm_padding`). Compiled for compile-only GPUs, this takes
+    most of those copies off the temporaries of an MLP of width 724 at stages 0-2; on aligned
+    widths the fence only costs memory, so it is left out there (BENCHMARKS.md section 4).
+    Stage 3 rematerialises with its gathers already: the backward's params are gathered
+    again, not kept. XLA:GPU only (``platform``): the padding is its split-K rewrite's, and on
+    XLA:CPU the fence would change the program for nothing."""
+    if config.zero_stage == 3 or platform == "cpu":
+        return False
+    work = [(s.path, s.shape, layout.buckets[s.bucket].dtype) for s in layout.slots]
+    return bool(unaligned(work))
 
 
 def unbound_axis_error(where: str, name: str, bound: tuple[str, ...], data_axis: Any) -> ValueError:
@@ -523,6 +540,7 @@ def _strategy(
         fusion=config.gradient_accumulation_fusion,
         grad_norm_skip_threshold=config.grad_norm_skip_threshold,
         check_for_large_grads=config.check_for_large_grads,
+        fence_backward=fences_backward(config, layout, group.platform),
     )
     # Stages 0-2 divide the gradients through the loss where that gives the same bits (a
     # power of two); stage 3 reduces inside its gathers' transpose and divides there.

@@ -22,6 +22,10 @@ class StepSpec:
         grad_norm_skip_threshold: skip the update above this global norm or a non-finite one
             (:mod:`jaxdp._src.strategy.spikes`; ``None``: off).
         check_for_large_grads: skip the update when a bucket's norm jumps (same module).
+        fence_backward: differentiate the loss under
+            :func:`jaxdp._src.platform.gemm_padding.backward_fence` (stages 0-2 with a weight
+            whose GEMM widths XLA may pad): the same values, but XLA cannot build the backward
+            pass's padded weight copies in the forward pass and keep them alive in between.
 
     Example:
         >>> StepSpec(num_microbatches=4).num_microbatches
@@ -35,6 +39,7 @@ class StepSpec:
     fusion: bool = False
     grad_norm_skip_threshold: float | None = None
     check_for_large_grads: bool = False
+    fence_backward: bool = False
 
     @property
     def checks_spikes(self) -> bool:
