@@ -13,6 +13,9 @@ with compute::
     report = aot.schedule_report(aot.compile_step(dp, params, batch))
     print(report)
 
+``memory_report(compiled, dp)`` reads the same program's per-device memory against the ZeRO
+formula and names the weights whose GEMM widths XLA pads.
+
 Or from the shell: ``python -m jaxdp.aot --stage 1 --grad-reduce-in-fp32``.
 """
 
@@ -23,6 +26,9 @@ from ._compile import compile_step as compile_step
 from ._compile import cross_compile_step as cross_compile_step
 from ._compile import example_mlp as example_mlp
 from ._compile import gradient_collectives as gradient_collectives
+from ._memory import MemoryReport as MemoryReport
+from ._memory import memory_report as memory_report
+from ._memory import zero_formula_bytes as zero_formula_bytes
 from ._report import Collective as Collective
 from ._report import ScheduleReport as ScheduleReport
 from ._report import schedule_report as schedule_report
@@ -34,6 +40,7 @@ from ._topology import target_config as target_config
 __all__ = [
     "TARGET_CONFIGS",
     "Collective",
+    "MemoryReport",
     "ScheduleReport",
     "abstract_batch",
     "abstract_state",
@@ -44,6 +51,8 @@ __all__ = [
     "gradient_collectives",
     "h100_mesh",
     "h100_topology",
+    "memory_report",
     "schedule_report",
     "target_config",
+    "zero_formula_bytes",
 ]

@@ -96,7 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxdp import DataParallel
     from jaxdp._src.platform.xla_flags import xla_compiler_options, xla_flags
 
-    from ..aot import collective_roles, compile_step, example_mlp, h100_mesh, schedule_report
+    from ..aot import (
+        collective_roles,
+        compile_step,
+        example_mlp,
+        h100_mesh,
+        memory_report,
+        schedule_report,
+    )
 
     console = Console()
     if not console.is_terminal:
@@ -138,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gradient collectives in ENTRY: {len(grads)} for {len(dp.layout.buckets)} buckets; "
         f"{overlapped} overlap backward compute"
     )
+    console.print(escape(str(memory_report(compiled, dp))))
     if args.xla_defaults:
         console.print("XLA flags: XLA's defaults")
     else:
