@@ -11,15 +11,21 @@ memory kinds on them; both columns of that table are compiled by ``jaxdp.aot.cro
 (lowered on 8 CPU devices, compiled for the 8 compile-only H100s), which keeps the host
 transfers, and ``memory_analysis()`` reports device and host bytes apart.
 
+Two more tables: odd widths (an 8-layer MLP of width 768, 724, 720, 712: plain ``jit`` against
+jaxdp's stages, and what jaxdp's backward fence saves, ``jaxdp._src.platform.gemm_padding``) and
+held-out shapes (aligned MLPs of other depths and widths against the same formula and allowance).
+
 Run: JAX_PLATFORMS=cpu python bench/bench_memory_gpu.py [--quick] (``--quick``: the goal's
-rows only)
+rows only, and one odd and one held-out shape)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,11 +39,15 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxdp._src.strategy.plan as plan_module
 from jaxdp import DataParallel, DDPConfig, aot
+from jaxdp._src.platform.gemm_padding import backward_fence
 
 LAYERS, WIDTH, BATCH = 16, 512, 256
 SMALL_BUCKET = 1_000_000
 GOAL = 1.10
+ODD_LAYERS, ODD_WIDTHS = 8, (768, 724, 720, 712)  # issue 63's MLP: 32 rows per device at G = 1
+HELD_OUT = ((4, 1024), (6, 640), (12, 448))  # aligned (layers, width) used nowhere else
 
 
 def formula(stage: int, psi: int) -> float:
@@ -58,9 +68,12 @@ def allowance(stage: int, g: int, psi: int, activations: int, bucket: int) -> tu
     return extra, why
 
 
-def activations(loss_fn: Any, params: Any, batch: Any, g: int) -> int:
+def activations(
+    loss_fn: Any, params: Any, batch: Any, g: int, fence: bool = False, options: Any = None
+) -> int:
     """Temp bytes of the plain single-device ``jax.grad`` of one micro-batch (bf16 params),
-    compiled for one H100: the activations and scratch any data-parallel step also has."""
+    compiled for one H100: the activations and scratch any data-parallel step also has.
+    ``fence``: of the loss under jaxdp's backward fence; ``options``: XLA compiler options."""
     mesh = aot.h100_mesh(1)
     dev = NamedSharding(mesh, P())
     work = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=dev), params)
@@ -70,8 +83,129 @@ def activations(loss_fn: Any, params: Any, batch: Any, g: int) -> int:
         ),
         batch,
     )
-    compiled = jax.jit(jax.grad(loss_fn)).lower(work, local).compile()
+    fn = backward_fence(loss_fn) if fence else loss_fn
+    compiled = jax.jit(jax.grad(fn)).lower(work, local).compile(options)
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+#: XLA-side alternatives to the fence, measured on plain jit (ODD_WIDTHS' table)
+XLA_ALTERNATIVES = {
+    "no multi-output fusion": {"xla_disable_hlo_passes": "multi_output_fusion"},
+    "split-K forced to 1": {"xla_gpu_experimental_force_split_k": 1},
+}
+
+
+def _plain_with(loss_fn: Any, params: Any, batch: Any, g: int, options: Any) -> str:
+    try:
+        return f"{activations(loss_fn, params, batch, g, options=options):,}"
+    except Exception:  # an option this jaxlib does not have
+        return "n/a"
+
+
+@contextlib.contextmanager
+def unfenced() -> Iterator[None]:
+    """Engines built inside compile without the backward fence (the plan's predicate off)."""
+    orig = plan_module.fences_backward
+    plan_module.fences_backward = lambda config, layout: False
+    try:
+        yield
+    finally:
+        plan_module.fences_backward = orig
+
+
+def compile_engine(
+    loss_fn: Any, params: Any, batch: Any, mesh: Any, stage: int, g: int, bs: Any = SMALL_BUCKET
+) -> tuple[Any, Any]:
+    """``(engine, compiled step)``: bf16 params, Adam, jaxdp's XLA flags."""
+    cfg = DDPConfig(zero_stage=stage, num_microbatches=g, param_dtype="bfloat16", bucket_size=bs)
+    dp = DataParallel(loss_fn, optax.adam(1e-3), cfg, mesh=mesh)
+    return dp, aot.compile_step(dp, params, batch)
+
+
+def odd_widths(mesh: Any, quick: bool) -> dict[str, Any]:
+    """Temp B/param of the 8-layer MLP at each width: plain ``jit`` of one micro-batch on one
+    device (with and without the fence), jaxdp's stages, stages 0-2 without the fence, and
+    how many weights ``memory_report`` finds padded."""
+    widths = ODD_WIDTHS[:2] if quick else ODD_WIDTHS
+    rows, cells, note = [], {}, ""
+    for w in widths:
+        loss_fn, params, batch = aot.example_mlp(layers=ODD_LAYERS, width=w, batch=BATCH)
+        psi = sum(x.size for x in jax.tree.leaves(params))
+        for g in (1,) if quick else (1, 4):
+            plain = activations(loss_fn, params, batch, g) / psi
+            fenced = activations(loss_fn, params, batch, g, fence=True) / psi
+            alts = [_plain_with(loss_fn, params, batch, g, o) for o in XLA_ALTERNATIVES.values()]
+            alts = [a if a == "n/a" else f"{int(a.replace(',', '')) / psi:.2f}" for a in alts]
+            stages, bare, padded = [], [], "-"
+            for stage in (0, 1, 2, 3):
+                dp, compiled = compile_engine(loss_fn, params, batch, mesh, stage, g)
+                report = aot.memory_report(compiled, dp)
+                stages.append(report.temp_bytes / psi)
+                if report.unaligned:
+                    padded = f"{report.padded} of {len(report.unaligned)}"
+                    if stage == 1 and g == 1 and w == widths[1]:
+                        note = report.padding
+                if stage < 3 and dp.plan.strategy.spec.fence_backward:
+                    with unfenced():
+                        _, c = compile_engine(loss_fn, params, batch, mesh, stage, g)
+                    bare.append(c.memory_analysis().temp_size_in_bytes / psi)
+            cells[(w, g)] = {"plain": plain, "stages": stages, "bare": bare, "alts": alts}
+            cells[(w, g)]["fenced"] = fenced
+            without = " / ".join(f"{x:.2f}" for x in bare) or "- (not fenced)"
+            row = [w, g, f"{plain:.2f}", f"{fenced:.2f}", *alts, *(f"{x:.2f}" for x in stages)]
+            rows.append([*row, without, padded])
+            print(rows[-1], flush=True)
+    head = ["width", "G", "plain jit", "plain jit, fenced"]
+    head += [f"plain jit, {name}" for name in XLA_ALTERNATIVES]
+    head += ["stage 0", "stage 1", "stage 2"]
+    head += ["stage 3", "stages 0 / 1 / 2 without the fence", "weights XLA padded"]
+    md = (
+        f"Odd widths: temp B/param of a {ODD_LAYERS}-layer MLP (`aot.example_mlp`, bf16 "
+        f"params, global batch {BATCH}: {BATCH // N} rows per device at G = 1, "
+        f"{BATCH // (4 * N)} at G = 4; {SMALL_BUCKET:,}-element buckets). Plain jit: "
+        "`jax.jit(jax.grad(loss))` of one micro-batch on one compile-only H100, and the same "
+        "loss under jaxdp's backward fence (`jax.checkpoint` saving everything) or compiled "
+        "with XLA options instead: `--xla_disable_hlo_passes=multi_output_fusion`, "
+        "`--xla_gpu_experimental_force_split_k=1`. jaxdp: the "
+        "step on 8, as it compiles (the fence is on at stages 0-2 when a weight is off the "
+        "grid), and without the fence. Last column: weights off the grid that XLA pads in "
+        "the step (`aot.memory_report`).\n\n"
+        + H.table(head, rows, "r" * 10 + "lr")
+        + (
+            f"\n\n`aot.memory_report` at width {widths[1]}, stage 1, G = 1: *{note}*"
+            if note
+            else ""
+        )
+    )
+    return {"markdown": md, "cells": cells}
+
+
+def held_out(mesh: Any, quick: bool) -> dict[str, Any]:
+    """Total ÷ (formula + allowance) of aligned MLPs not used elsewhere, stages 0-3 x G."""
+    shapes = HELD_OUT[:1] if quick else HELD_OUT
+    rows, ratios = [], {}
+    for layers, width in shapes:
+        loss_fn, params, batch = aot.example_mlp(layers=layers, width=width, batch=BATCH)
+        psi = sum(x.size for x in jax.tree.leaves(params))
+        for g in (1, 4):
+            act = activations(loss_fn, params, batch, g)
+            row = [f"{layers} x {width}", f"{psi:,}", g]
+            for stage in (0, 1, 2, 3):
+                dp, compiled = compile_engine(loss_fn, params, batch, mesh, stage, g)
+                biggest = max(b.numel_unpadded for b in dp.layout.buckets)
+                allow, _ = allowance(stage, g, psi, act, biggest)
+                r = H.total_bytes(compiled.memory_analysis()) / (formula(stage, psi) + allow)
+                ratios[(layers, width, stage, g)] = r
+                row.append(f"{r:.2f}")
+            rows.append(row)
+            print(rows[-1], flush=True)
+    head = ["layers x width", "Ψ", "G", "stage 0", "stage 1", "stage 2", "stage 3"]
+    md = (
+        "Held-out shapes: total ÷ (formula + allowance), as in the first table (several "
+        f"buckets of {SMALL_BUCKET:,} elements), for aligned MLPs used nowhere else.\n\n"
+        + H.table(head, rows, "lrrrrrr")
+    )
+    return {"markdown": md, "ratios": ratios}
 
 
 def _configs(quick: bool = False) -> list[tuple[int, int, Any, bool]]:
@@ -192,6 +326,7 @@ def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
     t1 = time.perf_counter()
     offload = offload_rows(loss_fn, params, batch, mesh, quick)
     offload_s = time.perf_counter() - t1
+    odd, fresh = odd_widths(mesh, quick), held_out(mesh, quick)
     md = "\n".join(
         [
             f"Model: {LAYERS}-layer tanh MLP of width {WIDTH} (`jaxdp.aot.example_mlp`), "
@@ -219,10 +354,53 @@ def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
             "at the peak, in buckets (the bucket in flight each way).",
             "",
             *offload,
+            "",
+            odd["markdown"],
+            "",
+            fresh["markdown"],
         ]
     )
     print(md)
-    return {"markdown": md, "ratios": ratios, "psi": psi, "offload": offload[2:]}
+    return {
+        "markdown": md,
+        "ratios": ratios,
+        "psi": psi,
+        "odd": odd["cells"],
+        "held_out": fresh["ratios"],
+        "offload": offload[2:],
+    }
+
+
+def _span(xs: list[float]) -> str:
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
+
+
+def odd_reading(cells: dict[tuple[int, int], dict[str, Any]]) -> str:
+    """The odd widths' reading: what the padding costs plain jit and each stage, with and
+    without the fence, over the aligned width's temp."""
+    aligned, odd = ODD_WIDTHS[0], ODD_WIDTHS[1]
+    gs = sorted({g for _, g in cells})
+    base = {g: cells[(aligned, g)] for g in gs}
+    fenced = [cells[(odd, g)]["stages"][s] - base[g]["stages"][s] for g in gs for s in range(3)]
+    bare = [cells[(odd, g)]["bare"][s] - base[g]["stages"][s] for g in gs for s in range(3)]
+    stage3 = [cells[(odd, g)]["stages"][3] - base[g]["stages"][3] for g in gs]
+    g = gs[-1]
+    return H.reading(
+        "bench_memory_gpu",
+        "odd",
+        g=g,
+        odd=odd,
+        aligned=aligned,
+        plain_odd=cells[(odd, g)]["plain"],
+        plain_aligned=base[g]["plain"],
+        plain_fenced=cells[(odd, g)]["fenced"],
+        no_mof=cells[(odd, g)]["alts"][0],
+        split1=cells[(odd, g)]["alts"][1],
+        bare=_span(bare),
+        fenced=_span(fenced),
+        stage3=_span(stage3),
+    )
 
 
 def reading(res: dict[str, Any]) -> str:
@@ -234,13 +412,33 @@ def reading(res: dict[str, Any]) -> str:
         f"stage {row.split('|')[1].strip()}: {row.split('|')[-2].strip()}"
         for row in res.get("offload", [])
     )
-    return H.reading(
+    text = H.reading(
         "bench_memory_gpu",
         cells=", ".join(f"stage {s} G = {g}: {r:.2f}x" for (s, g), r in sorted(ratios.items())),
         verdict=f"above the 1.10x goal: {', '.join(over)}"
         if over
         else "every row is within the 1.10x goal",
-    ) + ("\n\n" + H.reading("bench_memory_gpu", "offload", cells=cells) if cells else "")
+    )
+    held = res["held_out"]
+    over = [
+        f"{k[0]} x {k[1]} stage {k[2]} G = {k[3]}: {r:.2f}x" for k, r in held.items() if r > GOAL
+    ]
+    worst = {s: max(r for k, r in held.items() if k[2] == s) for s in range(4)}
+    return "\n\n".join(
+        [
+            text,
+            odd_reading(res["odd"]),
+            H.reading(
+                "bench_memory_gpu",
+                "held_out",
+                worst=", ".join(f"stage {s} {r:.2f}x" for s, r in worst.items()),
+                verdict=f"above the 1.10x goal: {'; '.join(over)}"
+                if over
+                else "every cell is within the 1.10x goal",
+            ),
+        ]
+        + ([H.reading("bench_memory_gpu", "offload", cells=cells)] if cells else [])
+    )
 
 
 if __name__ == "__main__":
