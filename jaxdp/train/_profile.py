@@ -53,8 +53,8 @@ class StepProfiler:
         if not self.enabled or not self.first <= step <= self.last:
             return contextlib.nullcontext()
         if step == self.first:
-            t0 = time.perf_counter()
             jax.block_until_ready(state)  # no earlier step in flight on the device
+            t0 = time.perf_counter()
             os.makedirs(self.dir, exist_ok=True)
             # Python's own calls left out: tracing them slows the host, and host gaps are
             # one of the things measured.
@@ -68,13 +68,14 @@ class StepProfiler:
     def after(self, step: int, state: Any) -> None:
         """Call after each step: stops the trace and meters it after the last traced step."""
         if self.tracing and step >= self.last:
+            jax.block_until_ready(state)  # waiting for the traced steps is training time
             t0 = time.perf_counter()
-            jax.block_until_ready(state)
             self.stop()
             self._overhead += time.perf_counter() - t0
 
     def take_overhead(self) -> float:
-        """Seconds the profiler held the loop up since the last call (left out of step times)."""
+        """Seconds spent starting, stopping and metering the trace since the last call (left
+        out of the step times; the waits for the device before and after are not)."""
         t, self._overhead = self._overhead, 0.0
         return t
 
