@@ -18,9 +18,9 @@ Chrome's trace-event format), per step and per device:
 Pure Python (``json`` and ``gzip``): it reads traces from any machine, with or without jax.
 
 Which events are the device's
-    A trace with device processes (``/device:GPU:0``...: XLA:GPU) uses their ``Stream #N``
-    threads (the kernels, copies and memsets CUPTI recorded; the ``XLA Ops`` thread where a
-    device has no streams); every such process is one device. A trace without them (XLA:CPU)
+    A trace with device processes (``/device:GPU:0``...: XLA:GPU) uses their stream threads
+    (``Stream #N(...)``: the kernels, copies and memsets CUPTI recorded; the ``XLA Ops`` thread
+    where a device has no streams); every such process is one device. A trace without them (XLA:CPU)
     uses the host events that carry an ``hlo_op`` argument, the op thunks the CPU runtime
     records, one device per ``device_ordinal``. Events nested on one thread (a ``while`` thunk
     around its body's ops) count only for their own time outside their children, so a loop
@@ -228,7 +228,7 @@ def _device_threads(
         if not pname.startswith("/device:"):
             continue
         mine = {tid: n for (p, tid), n in threads.items() if p == pid}
-        streams = [t for t, n in mine.items() if n.startswith("Stream #")]
+        streams = [t for t, n in mine.items() if "stream" in n.lower()]
         chosen = streams or [t for t, n in mine.items() if n == "XLA Ops"]
         out.update({(pid, t): pname for t in chosen})
     return out
