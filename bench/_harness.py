@@ -175,10 +175,10 @@ def plot_target(plots: str | None, name: str) -> tuple[str, str]:
     return path, (os.path.relpath(path, ROOT) if plots is None else path)
 
 
-def splice_section(path: str, number: int, text: str) -> None:
+def splice_section(path: str, number: int, text: str, append: bool = False) -> None:
     r"""Replace section ``number`` of ``path``, from its ``## N.`` heading up to the next
-    ``## `` heading, by ``text``; the rest of the file is kept as it was. A section numbered
-    after every one the file has is appended.
+    ``## `` heading, by ``text``; the rest of the file is kept as it was. With ``append``, a
+    section the file does not have yet is added at its end.
 
     >>> import os, tempfile
     >>> p = os.path.join(tempfile.mkdtemp(), "B.md")
@@ -199,6 +199,10 @@ def splice_section(path: str, number: int, text: str) -> None:
     with open(path) as f:
         doc = f.read()
     m = re.search(rf"^## {number}\. .*?(?=^## |\Z)", doc, re.M | re.S)
+    if m is None and append:
+        with open(path, "w") as f:
+            f.write(doc.rstrip() + "\n\n" + text.rstrip() + "\n")
+        return
     if m is None:
         numbers = [int(n) for n in re.findall(r"^## (\d+)\. ", doc, re.M)]
         if numbers and number > max(numbers):  # a new last section: appended

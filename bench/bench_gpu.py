@@ -33,7 +33,9 @@ section's header names them.
 ``--main-job STEPS`` also runs the main job, ``jaxdp-train --config configs/gpt_300m_gpu.yaml``,
 for STEPS steps in a process of its own and reports its steady tokens/s and MFU;
 ``--main-job-set KEY=VALUE`` (repeatable) is passed to its ``--set``, e.g.
-``gradient_accumulation_fusion=true``.
+``gradient_accumulation_fusion=true``; ``--main-job-profile N`` passes ``--profile N`` and
+reports the exposed-communication meter of its traced steps (compute, collective and exposed
+collective ms per step, host gap; docs/training.md), at the cost of those steps' speed.
 
 The XLA flags of :func:`jaxdp.xla_flags` are tried in a child process first: a jaxlib newer
 than jaxdp's flag table may have dropped one, and XLA aborts on an unknown flag; any it refuses
@@ -124,6 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="passed to jaxdp-train's --set, e.g. gradient_accumulation_fusion=true (repeatable)",
+    )
+    p.add_argument(
+        "--main-job-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pass --profile N to the main job and report its exposed-communication meter",
     )
     p.add_argument("--dump-hlo", default=None, help="write the fusion MLP's compiled programs here")
     return p.parse_args(argv)
@@ -409,12 +418,16 @@ MAIN_CONFIG = "configs/gpt_300m_gpu.yaml"
 
 
 def main_job(
-    steps: int, config: str = MAIN_CONFIG, timeout: float = 180.0, sets: tuple[str, ...] = ()
+    steps: int,
+    config: str = MAIN_CONFIG,
+    timeout: float = 180.0,
+    sets: tuple[str, ...] = (),
+    profile: int = 0,
 ) -> dict[str, Any]:
     """``jaxdp-train --config configs/gpt_300m_gpu.yaml`` for ``steps`` steps in a child process
-    (its own XLA flags, its default corpus; ``sets``: more of its ``--set KEY=VALUE``): the
-    summary it writes, or why there is none."""
-    meta = {"steps": steps, "config": config, "sets": list(sets)}
+    (its own XLA flags, its default corpus; ``sets``: more of its ``--set KEY=VALUE``;
+    ``profile``: its ``--profile N``, 0 for none): the summary it writes, or why there is none."""
+    meta = {"steps": steps, "config": config, "sets": list(sets), "profile": profile}
     out = tempfile.mkdtemp(prefix="jaxdp-main-job-")
     cmd = [
         "-m", "jaxdp.train", "--config", config, "--steps", str(steps),
@@ -423,6 +436,8 @@ def main_job(
     ]  # fmt: skip
     for kv in sets:
         cmd += ["--set", kv]
+    if profile:
+        cmd += ["--profile", str(profile)]
     path = os.pathsep.join([H.ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
     # XLA_FLAGS passes on: the main job runs with the flags the bench checked and uses.
     t0 = time.perf_counter()
@@ -523,6 +538,7 @@ def markdown(
             )
     if job is not None:
         sets = "".join(f" --set {kv}" for kv in job.get("sets", []))
+        sets += f" --profile {job['profile']}" if job.get("profile") else ""
         lines += [
             "",
             f"Main job: `jaxdp-train --config {job['config']} --steps {job['steps']}{sets}`",
@@ -538,6 +554,17 @@ def markdown(
                 f"{job['compile_s']:.1f} | {job['step_time_s']:.3f} | "
                 f"{job['tokens_per_s']:,.0f} | {_f(job['mfu'], '.1%')} |",
             ]
+            meter = job.get("exposed_communication")
+            if meter:  # --profile: medians of the traced steps (jaxdp/train/_meter.py)
+                lines += [
+                    "",
+                    f"Exposed communication (`--profile`, median of {meter['steps']} traced "
+                    f"steps): collectives {meter['collective_ms']:.2f} ms/step, exposed "
+                    f"{meter['exposed_ms']:.2f} ms ({meter['overlapped']:.0%} overlapped), "
+                    f"compute {meter['compute_ms']:.2f} ms, host gap "
+                    f"{meter['host_gap_ms']:.2f} ms, step {meter['wall_ms']:.2f} ms on the "
+                    "device.",
+                ]
     return "\n".join(lines)
 
 
@@ -551,7 +578,13 @@ def main(argv: list[str] | None = None) -> str:
     job: dict[str, Any] | None = None
     if args.main_job:  # first: this process's backend would hold most of the GPU's memory
         config = "configs/gpt_tiny.yaml" if args.tiny else MAIN_CONFIG
-        job = main_job(args.main_job, config, args.main_job_timeout, tuple(args.main_job_set))
+        job = main_job(
+            args.main_job,
+            config,
+            args.main_job_timeout,
+            tuple(args.main_job_set),
+            args.main_job_profile,
+        )
         print("main job", job, flush=True)
     n = jax.device_count()
     cfg = GPTConfig(

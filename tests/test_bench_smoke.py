@@ -25,6 +25,7 @@ SECTIONS = (
     "## 14. Planning figures for clusters (predicted)",
     "## 15. Hierarchical data parallelism on 8 x H100, compile-only",
     "## 16. Adam's moments in bfloat16",
+    "## 17. Exposed communication",
 )
 
 
@@ -70,13 +71,15 @@ def test_run_all_quick(tmp_path):
 def test_bench_gpu_tiny_writes_its_section(tmp_path):
     """``bench/bench_gpu.py --tiny`` (the GPU command's script check on the CPU): every
     chosen variant runs (``--bare-again``: the bare step timed once more after the jaxdp
-    rows), the main job runs with ``--main-job-set`` passed to ``jaxdp-train --set``, the
+    rows), the main job runs with ``--main-job-set`` passed to ``jaxdp-train --set`` and
+    ``--main-job-profile`` to its ``--profile`` (the meter's line follows its row), the
     caller's own ``XLA_FLAGS`` are named, and ``--write`` replaces only the marked block of a
     BENCHMARKS.md."""
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# x\n\n<!-- bench_gpu:start -->\nold\n<!-- bench_gpu:end -->\n\ntail\n")
     args = ["--tiny", "--stages", "3", "--accum", "4", "--bare-again", "--write", str(out)]
     args += ["--main-job", "2", "--main-job-set", "gradient_accumulation_fusion=true"]
+    args += ["--main-job-profile", "1"]
     flags = "--xla_force_host_platform_device_count=2"
     _run_bench("bench_gpu.py", *args, xla_flags=flags)
     text = out.read_text()
@@ -87,7 +90,8 @@ def test_bench_gpu_tiny_writes_its_section(tmp_path):
         "bare jit, 1 device, G = 4, again |",
         "fused=True",
         f"the caller's own: {flags}",
-        "--steps 2 --set gradient_accumulation_fusion=true`",
+        "--steps 2 --set gradient_accumulation_fusion=true --profile 1`",
+        "Exposed communication (`--profile`, median of 1 traced steps)",
         "cpu in 1 process(es)",  # the main job's row: it ran
     ):
         assert variant in text, variant
