@@ -419,10 +419,11 @@ class DataParallel:
     ) -> tuple[Any, Any, Any]:
         """``optimizer_cpu_offload``: the update (and the skip) bucket by bucket, each bucket's
         master weights and optimizer state brought into device memory and written back
-        (:func:`jaxdp._src.strategy.offload.update_by_bucket`). Returns the new target cast to
-        the working dtypes on the device (what the working params are rebuilt from), the
-        optimizer state and the master weights as written back (``None`` without a master
-        copy)."""
+        (:func:`jaxdp._src.strategy.offload.update_by_bucket`), the first bucket once the
+        gradient norm is computed, so that no state is brought in during the backward pass.
+        Returns the new target cast to the working dtypes on the device (what the working
+        params are rebuilt from), the optimizer state and the master weights as written back
+        (``None`` without a master copy)."""
         strategy, sh = self.plan.strategy, self._shardings
         clip, policy = strategy.spec.clip_grad, strategy.state_policy
         dtypes = strategy.work_view_dtypes()
@@ -448,6 +449,7 @@ class DataParallel:
             (buckets, None, None, unknown, buckets),
             (jax.tree.map(lambda _: None, grads), None, None, sh.opt_state, target_sh),
             (out_target_sh, sh.opt_state, on_device),
+            start_after=norm,
         )
         master = placed[0] if strategy.has_master else None
         return computed[2], placed[1], master

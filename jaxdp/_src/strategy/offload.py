@@ -11,12 +11,18 @@ on inputs brought in for it, and writes its outputs back. The equations are the 
 run on the same values in the same dtypes: the results are bit-equal to the update of the
 whole tree, only placement changes.
 
-A bucket's inputs are brought in once the previous offloaded bucket is written back (a data
-dependence through ``optimization_barrier``, which XLA keeps as a tuple), so one to two
-buckets of state are on the device at a time (compiled for compile-only GPUs, the device bytes
-drop by the state's less 0.6-2 buckets' share, BENCHMARKS.md section 4). Waiting only for the
-previous bucket's update instead (so that its copies back overlap the next bucket's copies in)
-kept most of the state on the device at stage 1: XLA's scheduler puts the copies back late.
+The first bucket's inputs (and those every bucket reads, such as Adam's step count) are brought
+in once the gradient norm is computed (``start_after``: the last value of the backward pass),
+and each next bucket's once the previous one is written back (data dependences through
+``optimization_barrier``, which XLA keeps as a tuple). So one bucket of state is on the device
+at a time, and none during the forward and backward passes: without the first dependence XLA
+brings the first bucket in at the start of the program and keeps it through the activations'
+peak, and computes the norm last, keeping every gradient until then. After the backward pass
+the old params of a donated step are dead until the new ones are written, and at stages 1-2 XLA
+places the buckets brought in in their buffers (BENCHMARKS.md section 4 has the bytes). Waiting
+only for the previous bucket's update instead (so that its copies back overlap the next
+bucket's copies in) kept most of the state on the device at stage 1: XLA's scheduler puts the
+copies back late.
 
 An output that reads the inputs of several buckets (a global norm inside the optimizer) makes
 the split impossible: then the whole update is one group, brought in at once, which still
@@ -182,12 +188,28 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: dict[int, Any], outs: list[
     return [read(jaxpr.outvars[o]) for o in outs]
 
 
+def _brought_in(
+    flat: list[Any], shardings: list[Any], index: list[int], written: list[Any]
+) -> dict[int, Any]:
+    """``flat[i]`` for each ``i`` of ``index`` in device memory; those in host memory (where
+    ``shardings[i]`` is a host sharding) brought in once ``written`` is computed."""
+    host = [i for i in index if _is_host(shardings[i])]
+    got = [flat[i] for i in host]
+    if host and written:
+        got = list(jax.lax.optimization_barrier((got, written))[0])
+    out = {i: flat[i] for i in index}
+    out.update({i: to_device(x, shardings[i]) for i, x in zip(host, got, strict=True)})
+    return out
+
+
 def update_by_bucket(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     in_buckets: tuple[Any, ...],
     in_shardings: tuple[Any, ...],
     out_shardings: Any,
+    *,
+    start_after: Any = None,
 ) -> tuple[Any, Any]:
     """``fn(*args)``, evaluated bucket by bucket (module docstring).
 
@@ -198,6 +220,8 @@ def update_by_bucket(
         in_shardings: like ``args``: each leaf's sharding (a host sharding is brought in), or
             ``None`` (on the device already).
         out_shardings: like ``fn``'s result: the sharding each output leaf is written to.
+        start_after: values (a pytree) computed before the first offloaded bucket is brought
+            in, e.g. the gradient norm; ``None``: no such order.
 
     Returns:
         ``(placed, on_device)``: the outputs in their shardings' memory, and the same values
@@ -224,19 +248,14 @@ def update_by_bucket(
     out_sh = out_def.flatten_up_to(out_shardings)
     on_device: list[Any] = [None] * len(out_shape)
     placed: list[Any] = [None] * len(out_shape)
-    values: dict[int, Any] = {i: to_device(flat[i], shardings[i]) for i in split.shared}
-    written: list[Any] = []  # the previous offloaded group's outputs, written back
+    # what the next offloaded inputs wait for: start_after, then the previous offloaded
+    # group's outputs, written back
+    written: list[Any] = list(jax.tree_util.tree_leaves(start_after))
+    values = _brought_in(flat, shardings, sorted(split.shared), written)
     for _, outs, reads in split.groups:
         mine = sorted(reads)
-        host = [i for i in mine if _is_host(shardings[i])]
-        got = [flat[i] for i in host]
-        if host and written:  # brought in once the previous group is written back
-            got = list(jax.lax.optimization_barrier((got, written))[0])
-        args_g = dict(values)
-        for i in mine:
-            args_g[i] = flat[i]
-        for i, x in zip(host, got, strict=True):
-            args_g[i] = to_device(x, shardings[i])
+        host = any(_is_host(shardings[i]) for i in mine)
+        args_g = {**values, **_brought_in(flat, shardings, mine, written)}
         res = _eval(jaxpr, consts, {i: args_g[i] for i in _needed(jaxpr, outs)[1]}, outs)
         for o, y in zip(outs, res, strict=True):
             on_device[o] = y
