@@ -13,7 +13,8 @@ transfers, and ``memory_analysis()`` reports device and host bytes apart.
 
 Two more tables: odd widths (an 8-layer MLP of width 768, 724, 720, 712: plain ``jit`` against
 jaxdp's stages, and what jaxdp's backward fence saves, ``jaxdp._src.platform.gemm_padding``) and
-held-out shapes (aligned MLPs of other depths and widths against the same formula and allowance).
+held-out shapes (aligned MLPs of other depths and widths against the same formula and allowance,
+and what stage 3's temporaries hold at their peak, read from XLA's buffer assignment).
 
 Run: JAX_PLATFORMS=cpu python bench/bench_memory_gpu.py [--quick] (``--quick``: the goal's
 rows only, and one odd and one held-out shape)
@@ -21,9 +22,13 @@ rows only, and one odd and one held-out shape)
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import glob
 import os
+import re
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,7 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdp._src.strategy.plan as plan_module
-from jaxdp import DataParallel, DDPConfig, aot
+from jaxdp import DataParallel, DDPConfig, aot, xla_compiler_options
 from jaxdp._src.platform.gemm_padding import backward_fence
 
 LAYERS, WIDTH, BATCH = 16, 512, 256
@@ -60,10 +65,16 @@ def formula(stage: int, psi: int) -> float:
 
 
 def allowance(stage: int, g: int, psi: int, activations: int, bucket: int) -> tuple[float, str]:
-    """What no implementation avoids: activations, two buckets of in-flight bf16 gradients and,
-    with micro-batches, the fp32 accumulator the stage keeps (full at 0-1, sharded at 2-3)."""
+    """What no implementation avoids: activations, two buckets of in-flight bf16 gradients, at
+    stage 3 two buckets of gathered bf16 params (the one the layers in use read and the next,
+    gathered while they compute: XLA combines the per-parameter gathers into groups of at most
+    one bucket) and, with micro-batches, the fp32 accumulator the stage keeps (full at 0-1,
+    sharded at 2-3)."""
     extra = activations + 2 * 2 * bucket
     why = "act. + 2 bf16 buckets"
+    if stage == 3:
+        extra += 2 * 2 * bucket
+        why += " + 2 gathered buckets"
     if g > 1:
         extra += 4 * psi if stage <= 1 else 4 * psi / N
         why += " + 4Ψ acc." if stage <= 1 else " + 4Ψ/N acc."
@@ -116,12 +127,79 @@ def unfenced() -> Iterator[None]:
 
 
 def compile_engine(
-    loss_fn: Any, params: Any, batch: Any, mesh: Any, stage: int, g: int, bs: Any = SMALL_BUCKET
+    loss_fn: Any,
+    params: Any,
+    batch: Any,
+    mesh: Any,
+    stage: int,
+    g: int,
+    bs: Any = SMALL_BUCKET,
+    dump: str | None = None,
 ) -> tuple[Any, Any]:
-    """``(engine, compiled step)``: bf16 params, Adam, jaxdp's XLA flags."""
+    """``(engine, compiled step)``: bf16 params, Adam, jaxdp's XLA flags; ``dump``: a folder
+    for XLA's dump of the step (its buffer assignment: :func:`peak_buffers`)."""
     cfg = DDPConfig(zero_stage=stage, num_microbatches=g, param_dtype="bfloat16", bucket_size=bs)
     dp = DataParallel(loss_fn, optax.adam(1e-3), cfg, mesh=mesh)
-    return dp, aot.compile_step(dp, params, batch)
+    if dump is None:
+        return dp, aot.compile_step(dp, params, batch)
+    aot.abstract_state(dp, params, batch)  # builds the layout the options follow
+    opts: dict[str, Any] = dict(
+        xla_compiler_options(dp.config, dp_size=dp.dp, bucket_numel=dp.layout.bucket_size)
+    )
+    opts.update(xla_dump_to=dump, xla_dump_hlo_as_text=True, xla_dump_hlo_module_re=".*step_fn.*")
+    return dp, aot.compile_step(dp, params, batch, compiler_options=opts)
+
+
+def peak_buffers(dump: str) -> dict[str, Any] | None:
+    """What XLA's buffer assignment (``--xla_dump_to``) holds in the step's temporaries at their
+    peak: the temporaries' values with their live ranges in the scheduled program, summed per
+    instruction. ``{"live": bytes, "at": the instruction, "gathered": [bytes of each gathered
+    param buffer (an all-gather's output) alive there], "most_gathered": the most gathered
+    bytes alive at any one instruction}``; ``None`` where the dump lacks the files. Only the
+    temporaries count (their packing is what ``temp_size_in_bytes`` reports), not the
+    arguments that the "peak" XLA lists in the same live-range file also holds."""
+    ba = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
+    lr = glob.glob(os.path.join(dump, "*after_optimizations-live-range.txt"))
+    if len(ba) != 1 or len(lr) != 1:
+        return None
+    with open(lr[0]) as f:
+        ranges_text = f.read()
+    with open(ba[0]) as f:
+        temp = re.search(r"preallocated-temp:\n((?: value:.*\n)+)", f.read())
+    if temp is None:
+        return None
+    order = dict(re.findall(r"^\s+(\d+):(\S+)$", ranges_text.split("BufferLiveRange")[0], re.M))
+    ranges = {
+        name: (int(a), int(b))
+        for name, a, b in re.findall(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", ranges_text, re.M)
+    }
+    live: collections.Counter[int] = collections.Counter()
+    gathered: collections.Counter[int] = collections.Counter()
+    values = []
+    value = r"value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),.*?\): (\S)"
+    for name, index, size, shape in re.findall(value, temp.group(1)):
+        a, b = ranges.get(name + (index or "{}"), (0, -1))
+        # an async all-gather's tuple holds its input at {0...}, its output at {1...}
+        # (and a tuple of outputs, ``(``, holds only pointers to them)
+        ag = (
+            name.startswith("all-gather")
+            and shape != "("
+            and not (name.startswith("all-gather-start") and not (index or "").startswith("{1"))
+        )
+        values.append((int(size), a, b, ag))
+        for t in range(a, b + 1):
+            live[t] += int(size)
+            if ag:
+                gathered[t] += int(size)
+    if not live:
+        return None
+    at = max(live, key=lambda t: live[t])
+    return {
+        "live": live[at],
+        "at": order.get(str(at), "?"),
+        "gathered": [size for size, a, b, ag in values if ag and a <= at <= b],
+        "most_gathered": max(gathered.values(), default=0),
+    }
 
 
 def odd_widths(mesh: Any, quick: bool) -> dict[str, Any]:
@@ -183,9 +261,10 @@ def odd_widths(mesh: Any, quick: bool) -> dict[str, Any]:
 
 
 def held_out(mesh: Any, quick: bool) -> dict[str, Any]:
-    """Total ÷ (formula + allowance) of aligned MLPs not used elsewhere, stages 0-3 x G."""
+    """Total ÷ (formula + allowance) of aligned MLPs not used elsewhere, stages 0-3 x G; and
+    what stage 3's temporaries hold at their peak, read from XLA's buffer assignment."""
     shapes = HELD_OUT[:1] if quick else HELD_OUT
-    rows, ratios = [], {}
+    rows, ratios, peaks = [], {}, {}
     for layers, width in shapes:
         loss_fn, params, batch = aot.example_mlp(layers=layers, width=width, batch=BATCH)
         psi = sum(x.size for x in jax.tree.leaves(params))
@@ -193,21 +272,42 @@ def held_out(mesh: Any, quick: bool) -> dict[str, Any]:
             act = activations(loss_fn, params, batch, g)
             row = [f"{layers} x {width}", f"{psi:,}", g]
             for stage in (0, 1, 2, 3):
-                dp, compiled = compile_engine(loss_fn, params, batch, mesh, stage, g)
+                with tempfile.TemporaryDirectory() as dump:
+                    dp, compiled = compile_engine(
+                        loss_fn, params, batch, mesh, stage, g, dump=dump if stage == 3 else None
+                    )
+                    peak = peak_buffers(dump) if stage == 3 else None
                 biggest = max(b.numel_unpadded for b in dp.layout.buckets)
                 allow, _ = allowance(stage, g, psi, act, biggest)
                 r = H.total_bytes(compiled.memory_analysis()) / (formula(stage, psi) + allow)
                 ratios[(layers, width, stage, g)] = r
                 row.append(f"{r:.2f}")
+            if peak is None:
+                row += ["n/a"] * 4
+            else:
+                bucket = 2 * biggest  # bf16 bytes
+                peaks[(layers, width, g)] = {**peak, "bucket": bucket, "model": 2 * psi}
+                held_bytes = sum(peak["gathered"])
+                row.append(f"{held_bytes / bucket:.1f} ({held_bytes / (2 * psi):.0%})")
+                row += [f"{peak['live'] / bucket:.1f}", f"`{peak['at']}`"]
+                row.append(f"{peak['most_gathered'] / bucket:.1f}")
             rows.append(row)
             print(rows[-1], flush=True)
     head = ["layers x width", "Ψ", "G", "stage 0", "stage 1", "stage 2", "stage 3"]
+    head += ["stage 3 peak: gathered: buckets (of bf16 Ψ)", "temp alive (buckets)", "at"]
+    head += ["most gathered at once (buckets)"]
     md = (
         "Held-out shapes: total ÷ (formula + allowance), as in the first table (several "
-        f"buckets of {SMALL_BUCKET:,} elements), for aligned MLPs used nowhere else.\n\n"
-        + H.table(head, rows, "lrrrrrr")
+        f"buckets of {SMALL_BUCKET:,} elements), for aligned MLPs used nowhere else. Last "
+        "four columns, from XLA's buffer assignment of the stage-3 step (`--xla_dump_to`: "
+        "each temporary's size and live range in the scheduled program), in bf16 buckets "
+        "(the largest bucket): at the instruction where the temporaries peak, the "
+        "gathered-param buffers (all-gather outputs) alive there (and their share of the bf16 "
+        "model), all temporaries alive there, the instruction; then "
+        "the most gathered bytes alive at any one instruction.\n\n"
+        + H.table(head, rows, "lrrrrrrrrlr")
     )
-    return {"markdown": md, "ratios": ratios}
+    return {"markdown": md, "ratios": ratios, "peaks": peaks}
 
 
 def _configs(quick: bool = False) -> list[tuple[int, int, Any, bool]]:
@@ -348,7 +448,8 @@ def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
             "2 2Ψ + 14Ψ/N, 3 16Ψ/N). Allowance: activations (the temp bytes of the plain "
             f"single-device `jax.grad` of one micro-batch on one H100: {act[1] / psi:.2f} B/param "
             f"at G = 1, {act[4] / psi:.2f} at G = 4), two buckets of in-flight bf16 gradients "
-            "(the largest bucket) and, at G > 1, the fp32 accumulator the stage keeps. "
+            "(the largest bucket), at stage 3 two buckets of gathered bf16 params (the one in "
+            "use and the next, in flight) and, at G > 1, the fp32 accumulator the stage keeps. "
             f"Goal: total ÷ (formula + allowance) <= {GOAL} on the several-bucket rows.",
             "",
             *rows,
@@ -379,6 +480,7 @@ def result(quick: bool = False, plots: str | None = None) -> dict[str, Any]:
         "psi": psi,
         "odd": odd["cells"],
         "held_out": fresh["ratios"],
+        "held_out_peaks": fresh["peaks"],
         "offload": offload[2:],
     }
 
@@ -439,6 +541,12 @@ def reading(res: dict[str, Any]) -> str:
         f"{k[0]} x {k[1]} stage {k[2]} G = {k[3]}: {r:.2f}x" for k, r in held.items() if r > GOAL
     ]
     worst = {s: max(r for k, r in held.items() if k[2] == s) for s in range(4)}
+    gathered = {1: ("n/a", "n/a"), 4: ("n/a", "n/a")}  # where XLA's dump lacked the files
+    for (layers, width, g), peak in res.get("held_out_peaks", {}).items():
+        if (layers, width) == HELD_OUT[0]:
+            held_bytes = sum(peak["gathered"])
+            share = held_bytes / peak["model"]
+            gathered[g] = (f"{held_bytes / peak['bucket']:.1f}", f"{share:.0%}")
     return "\n\n".join(
         [
             text,
@@ -450,6 +558,9 @@ def reading(res: dict[str, Any]) -> str:
                 verdict=f"above the 1.10x goal: {'; '.join(over)}"
                 if over
                 else "every cell is within the 1.10x goal",
+                g1=gathered[1][0],
+                g4=gathered[4][0],
+                g4share=gathered[4][1],
             ),
         ]
         + (

@@ -219,3 +219,31 @@ ENTRY %main (p: bf16[800]) -> bf16[800] {
         "outer": [("all-reduce", 1024)],
     }
     assert bench.group_size("channel_id=1", 16) == 16
+
+
+def test_peak_buffers_read_xla_dump(tmp_path):
+    """``bench_memory_gpu.peak_buffers``: the temporaries' values summed over their live ranges;
+    a gathered param is an all-gather's output (an async start's ``{1...}``, not its input or
+    its tuple of pointers); ``None`` without the dump's files."""
+    bench = _load_bench("bench_memory_gpu")
+    assert bench.peak_buffers(str(tmp_path)) is None
+    (tmp_path / "m.x_after_optimizations-buffer-assignment.txt").write_text(
+        "allocation 0: size 8, parameter 0, shape |f32[2]| at ShapeIndex {}:\n"
+        " value: <0 p @0> (size=8,offset=0): f32[2]{0}\n"
+        "allocation 1: size 300, preallocated-temp:\n"
+        " value: <1 all-gather-start{} @0> (size=16,offset=0): (bf16[4]{0}, bf16[32]{0})\n"
+        " value: <2 all-gather-start{0} @0> (size=8,offset=16): bf16[4]{0}\n"
+        " value: <3 all-gather-start{1} @0> (size=64,offset=24): bf16[32]{0}\n"
+        " value: <4 fusion @0> (size=100,offset=88): f32[25]{0}\n"
+        " value: <5 param{2} (phi) @0> (size=50,offset=188): f32[12]{0}\n"
+        " value: <6 all-gather.1 @0> (size=40,offset=0): bf16[20]{0}\n"
+    )
+    (tmp_path / "m.x_after_optimizations-live-range.txt").write_text(
+        "HloLiveRange (max 5):\n  InstructionSequence:\n    0:all-gather-start\n"
+        "    1:fusion\n    2:all-gather-done\n    3:dot\n    4:all-gather.1\n    5:dot.1\n"
+        "  BufferLiveRange:\n    all-gather-start{}:0-2\n    all-gather-start{0}:0-2\n"
+        "    all-gather-start{1}:0-3\n    fusion{}:1-2\n    param{2}:0-3\n"
+        "    all-gather.1{}:4-5\n"
+    )
+    got = bench.peak_buffers(str(tmp_path))
+    assert got == {"live": 238, "at": "fusion", "gathered": [64], "most_gathered": 64}, got
