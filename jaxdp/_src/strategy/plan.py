@@ -89,6 +89,7 @@ __all__ = [
     "per_parameter_all_reduce",
     "per_parameter_collectives",
     "reduces_per_parameter",
+    "rematerialises",
     "state_policy",
 ]
 
@@ -149,6 +150,34 @@ def finds_stacks(config: DDPConfig) -> bool:
         and config.bucket_layout == "interleaved"
         and not config.hierarchical  # instances gather whole stacks (docs/parallelism.md)
     )
+
+
+def rematerialises(config: DDPConfig, group: ReductionGroup) -> bool:
+    """Whether stage 3 wraps the loss in ``jax.checkpoint`` with ``remat_policy``
+    (:func:`jaxdp._src.zero3.remat.remat_policy_for`): where its params are split into more
+    than one shard.
+
+    The checkpoint is there so that the backward pass gathers the params again instead of
+    keeping them gathered from the forward pass. With one shard (one rank, or one per
+    instance) every gather is an identity and the params are whole on the device: there is
+    nothing to gather again, and a checkpoint would only make the backward pass recompute
+    what the forward pass computed (norms, activations, casts), as stages 0-2 do not. Without
+    it one rank's step computes what stage 2's does (the same params bit for bit,
+    ``tests/test_remat_policy.py``) with stage 2's kernels and memory: compiled for one
+    compile-only GPU (BENCHMARKS.md section 16) it moves as many bytes as stages 0-2 instead
+    of 15% more, and needs their peak, not the smaller one the recompute bought. Wrap
+    ``loss_fn`` in ``jax.checkpoint`` to trade that time for memory on one rank, as at
+    stages 0-2.
+
+    Example:
+        >>> import jax
+        >>> from jaxdp import DDPConfig, make_mesh
+        >>> from jaxdp._src.topology.group import ReductionGroup
+        >>> cfg = DDPConfig(zero_stage=3)
+        >>> rematerialises(cfg, ReductionGroup(make_mesh(jax.devices()[:1]), "data"))
+        False
+    """
+    return config.zero_stage == 3 and group.shard_count > 1
 
 
 def names_dot_operands(config: DDPConfig) -> bool:
@@ -631,9 +660,11 @@ def _strategy(
     # stage 3: scanned layer stacks are gathered one layer per scan iteration
     # Params are gathered over the shard axes; the gathers' transpose reduces within the
     # instance (the whole group when flat) and the instances are combined after the loop.
+    remat = rematerialises(config, group)
     z3: dict[str, Any] = dict(
         axis=group.shard_axes,
-        policy=remat_policy_for(config.remat_policy),
+        # None: no checkpoint, where the gathers are identities (one shard)
+        policy=remat_policy_for(config.remat_policy) if remat else None,
     )
     if group.levels is not None:
         z3["levels"] = group.levels
@@ -645,7 +676,7 @@ def _strategy(
     vg: Callable[..., Any] = functools.partial(
         zero3_scan_value_and_grad if layout.stacked else zero3_value_and_grad, **z3
     )
-    if names_dot_operands(config):  # the policy saves what XLA's attention reads
+    if remat and names_dot_operands(config):  # the policy saves what XLA's attention reads
         vg = _naming_dot_operands(vg)
     pre: Callable[..., Any] = layout.shard_unview if layout.stacked else (lambda v: v)
     kernel = functools.partial(Kernel, accumulator=Sharded(), reduction=InGrad(vg, pre))

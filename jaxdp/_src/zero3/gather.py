@@ -335,13 +335,17 @@ def zero3_value_and_grad(
     wire: Wire,
     *,
     axis: str,
-    policy: Callable[..., bool],
+    policy: Callable[..., bool] | None,
     per_slot: bool,
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
     levels: Levels | None = None,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """Value-and-grad of ``parts(params, mb)`` for params held as local bucket shards.
+
+    ``policy``: what ``jax.checkpoint`` around the loss saves (:func:`remat_policy_for`);
+    ``None``: no checkpoint, where every gather is an identity (one shard:
+    :func:`jaxdp._src.strategy.plan.rematerialises`).
 
     ``place(gather_all, view, accs, flags)`` runs the per-rank gather ``gather_all`` where the
     rank's blocks live (default: calls it; on a tensor-parallel mesh a ``shard_map`` nested
@@ -407,5 +411,6 @@ def zero3_value_and_grad(
     def loss(accs: Any, flags: Any, view: Any, mb: Any) -> Any:
         return parts(run(gather_all, view, accs, flags), mb)
 
-    vg = jax.value_and_grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1), has_aux=True)
+    body = loss if policy is None else jax.checkpoint(loss, policy=policy)
+    vg = jax.value_and_grad(body, argnums=(0, 1), has_aux=True)
     return vg, loss

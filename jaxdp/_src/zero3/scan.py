@@ -142,12 +142,15 @@ def zero3_scan_value_and_grad(
     wire: Wire,
     *,
     axis: str,
-    policy: Callable[..., bool],
+    policy: Callable[..., bool] | None,
     rules: LayoutRules,
     num_microbatches: int,
     place: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """:func:`jaxdp._src.zero3.gather.zero3_value_and_grad` for a layout with per-layer stacks.
+
+    ``policy``: the checkpoint policy of the loss and of the scan bodies; ``None``: neither is
+    checkpointed (one shard, where every gather is an identity).
 
     ``rules``: the layout's (:class:`jaxdp.BucketLayout` is built from them; each layer's
     slices are laid out by them, one bucket per buffer). Stacks keep one accumulator per
@@ -227,7 +230,7 @@ def zero3_scan_value_and_grad(
         parts,
         stacked,
         gather,
-        remat_gather=True,
+        remat_gather=policy is not None,
         policy=policy,
         name=GATHERED,
         carry_name=SCAN_CARRY,
@@ -243,7 +246,8 @@ def zero3_scan_value_and_grad(
             leaves[i] = mixed[i]
         return scanned(jax.tree_util.tree_unflatten(layout.treedef, leaves), mb)
 
-    inner = jax.value_and_grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2), has_aux=True)
+    body = loss if policy is None else jax.checkpoint(loss, policy=policy)
+    inner = jax.value_and_grad(body, argnums=(0, 1, 2), has_aux=True)
 
     def vg(accs: Any, flags: Any, shards: Any, mb: Any) -> Any:
         mixed = {}
