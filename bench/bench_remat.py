@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import _harness as H
@@ -187,8 +188,25 @@ def _sliced_reads(instrs: list[tuple[str, str, str]]) -> dict[int, int]:
     return out
 
 
-def traffic(text: str) -> dict[str, float]:
-    """Bytes read + written by the non-GEMM, non-collective ops of a scheduled HLO module."""
+def op_name(tail: str, comps: dict[str, list[tuple[str, str, str]]]) -> str:
+    """The ``op_name`` of an instruction (``tail``: from its opcode on), or of its fused
+    computation's root (else its first instruction with one) when the fusion has none."""
+    m = re.search(r'op_name="([^"]*)"', tail)
+    if m:
+        return m.group(1)
+    called = re.search(r"calls=%([\w.\-]+)", tail)
+    body = comps.get(called.group(1), []) if called else []
+    for _, _, t in [*body[-1:], *body]:  # the root is printed last
+        m = re.search(r'op_name="([^"]*)"', t)
+        if m:
+            return m.group(1)
+    return ""
+
+
+def traffic(text: str, by: Callable[[str], str] | None = None) -> dict[str, float]:
+    """Bytes read + written by the non-GEMM, non-collective ops of a scheduled HLO module.
+
+    ``by``: also sum them by ``by(op_name)`` (keys ``"by:<key>"``; :func:`op_name`)."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
     entry, cur = None, None
     for line in text.splitlines():
@@ -238,6 +256,9 @@ def traffic(text: str) -> dict[str, float]:
             out["all"] += moved
             if "jvp(" in tail:
                 out["model"] += moved
+            if by is not None:
+                key = "by:" + by(op_name(tail, comps))
+                out[key] = out.get(key, 0.0) + moved
 
     assert entry is not None, "no ENTRY computation"
     walk(entry, 1.0)

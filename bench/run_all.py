@@ -53,6 +53,7 @@ SECTIONS: dict[str, tuple[int, str, str]] = {
     ),
     "moments": (16, "Adam's moments in bfloat16", "bench_moments"),
     "meter": (17, "Exposed communication", "bench_meter"),
+    "stage3": (18, "Stage 3 at one rank on one H100, compile-only", "bench_stage3"),
 }
 #: The GPU section's number: measured on a GPU by bench_gpu.py, kept by a CPU run.
 GPU_SECTION = 13

@@ -26,6 +26,7 @@ SECTIONS = (
     "## 15. Hierarchical data parallelism on 8 x H100, compile-only",
     "## 16. Adam's moments in bfloat16",
     "## 17. Exposed communication",
+    "## 18. Stage 3 at one rank on one H100, compile-only",
 )
 
 

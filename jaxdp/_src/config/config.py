@@ -188,7 +188,7 @@ class DDPConfig:
             Stages 0-2 do not rematerialise, so another value there is an error (wrap your
             ``loss_fn`` in ``jax.checkpoint`` yourself). Nor does stage 3 with one shard (one
             rank, or one per instance): its gathers are identities, nothing is gathered
-            again, and it computes what stage 2 does (BENCHMARKS.md section 16).
+            again, and it computes what stage 2 does (BENCHMARKS.md section 18).
         model_state_sync: how the ranks combine the non-trainable state
             (``DataParallel.init(params, model_state=...)``: BatchNorm statistics and the
             like) at the end of each step, after each rank has updated its copy over its

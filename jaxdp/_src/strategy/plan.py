@@ -164,7 +164,7 @@ def rematerialises(config: DDPConfig, group: ReductionGroup) -> bool:
     what the forward pass computed (norms, activations, casts), as stages 0-2 do not. Without
     it one rank's step computes what stage 2's does (the same params bit for bit,
     ``tests/test_remat_policy.py``) with stage 2's kernels and memory: compiled for one
-    compile-only GPU (BENCHMARKS.md section 16) it moves as many bytes as stages 0-2 instead
+    compile-only GPU (BENCHMARKS.md section 18) it moves as many bytes as stages 0-2 instead
     of 15% more, and needs their peak, not the smaller one the recompute bought. Wrap
     ``loss_fn`` in ``jax.checkpoint`` to trade that time for memory on one rank, as at
     stages 0-2.
