@@ -189,24 +189,17 @@ def check_fields(cfg: Any) -> None:
             )
         object.__setattr__(cfg, "bucket_size", int(bs))
 
-    nb = cfg.num_buckets
-    if nb is not None:
-        if isinstance(nb, bool) or not isinstance(nb, (int, np.integer)):
-            raise _err(
-                "num_buckets",
-                nb,
-                "None (buckets by bucket_size) or an int >= 1 (buckets per buffer)",
+    if cfg.num_buckets is not None:
+        _count(
+            cfg,
+            "num_buckets",
+            "None (buckets by bucket_size) or an int >= 1 (buckets per buffer)",
+            "an int >= 1 (buckets per buffer; 1 = one bucket per buffer)",
+            (
                 "pass e.g. num_buckets=4",
-                TypeError,
-            )
-        if nb < 1:
-            raise _err(
-                "num_buckets",
-                nb,
-                "an int >= 1 (buckets per buffer; 1 = one bucket per buffer)",
                 "pass e.g. num_buckets=4, or None to size buckets by bucket_size",
-            )
-        object.__setattr__(cfg, "num_buckets", int(nb))
+            ),
+        )
 
     for name in (
         "overlap_grad_reduce",
@@ -281,19 +274,13 @@ def check_fields(cfg: Any) -> None:
         )
     object.__setattr__(cfg, "optimizer_offload_fraction", float(of))
 
-    m = cfg.num_microbatches
-    if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
-        raise _err(
-            "num_microbatches", m, "a positive int", "pass e.g. num_microbatches=4", TypeError
-        )
-    if m < 1:
-        raise _err(
-            "num_microbatches",
-            m,
-            "an int >= 1 (1 = no gradient accumulation)",
-            "pass num_microbatches=1 or more",
-        )
-    object.__setattr__(cfg, "num_microbatches", int(m))
+    _count(
+        cfg,
+        "num_microbatches",
+        "a positive int",
+        "an int >= 1 (1 = no gradient accumulation)",
+        ("pass e.g. num_microbatches=4", "pass num_microbatches=1 or more"),
+    )
 
     object.__setattr__(cfg, "param_dtype", _canonical_dtype("param_dtype", cfg.param_dtype, True))
     object.__setattr__(
@@ -376,17 +363,9 @@ def check_fields(cfg: Any) -> None:
         "how the ranks combine the model_state each step",
         "use 'mean' (running statistics, the default) or 'broadcast' (rank 0's)",
     )
-    n = cfg.num_distributed_optimizer_instances
-    not_int = isinstance(n, bool) or not isinstance(n, (int, np.integer))
-    if not_int or n < 1:
-        raise _err(
-            "num_distributed_optimizer_instances",
-            n,
-            "an int >= 1 (the number of instances the data ranks form; 1 = flat)",
-            "pass e.g. num_distributed_optimizer_instances=2 (one per node)",
-            TypeError if not_int else ValueError,
-        )
-    object.__setattr__(cfg, "num_distributed_optimizer_instances", int(n))
+    what = "an int >= 1 (the number of instances the data ranks form; 1 = flat)"
+    fix = "pass e.g. num_distributed_optimizer_instances=2 (one per node)"
+    _count(cfg, "num_distributed_optimizer_instances", what, what, (fix, fix))
     _check_choice(
         "outer_dp_sharding_strategy",
         cfg.outer_dp_sharding_strategy,
@@ -395,6 +374,18 @@ def check_fields(cfg: Any) -> None:
         "use 'no_shard' (optimizer replicated across instances, the default) or 'optim' "
         "(optimizer sharded across instances too)",
     )
+
+
+def _count(cfg: Any, field: str, of_type: str, of_value: str, fixes: tuple[str, str]) -> None:
+    """An int field that counts something, at least 1: ``TypeError`` (``of_type``) for a
+    non-int (a bool included), ``ValueError`` (``of_value``) below 1; canonicalised to a
+    Python int. ``fixes``: the fix for each."""
+    n = getattr(cfg, field)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise _err(field, n, of_type, fixes[0], TypeError)
+    if n < 1:
+        raise _err(field, n, of_value, fixes[1])
+    object.__setattr__(cfg, field, int(n))
 
 
 def _check_choice(field: str, value: Any, choices: tuple[str, ...], what: str, fix: str) -> None:
