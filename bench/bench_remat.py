@@ -30,7 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import _harness as H
@@ -203,11 +203,12 @@ def op_name(tail: str, comps: dict[str, list[tuple[str, str, str]]]) -> str:
     return ""
 
 
-def traffic(text: str, by: Callable[[str], str] | None = None) -> dict[str, float]:
-    """Bytes read + written by the non-GEMM, non-collective ops of a scheduled HLO module.
+Instr = tuple[str, str, str]  # (name, shape, the rest of the line: opcode, operands, attrs)
 
-    ``by``: also sum them by ``by(op_name)`` (keys ``"by:<key>"``; :func:`op_name`)."""
-    comps: dict[str, list[tuple[str, str, str]]] = {}
+
+def program(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """A scheduled HLO module's computations, each a list of :data:`Instr`, and its ENTRY."""
+    comps: dict[str, list[Instr]] = {}
     entry, cur = None, None
     for line in text.splitlines():
         m = _COMP.match(line)
@@ -220,48 +221,65 @@ def traffic(text: str, by: Callable[[str], str] | None = None) -> dict[str, floa
         if m and cur is not None:
             shape, tail = _split_shape(m.group(2))
             cur.append((m.group(1), shape, tail))
-    sizes = {name: H.array_bytes(shape) for ins in comps.values() for name, shape, _ in ins}
-    out = {"all": 0.0, "model": 0.0, "gemm": 0.0}
-    sliced: dict[str, dict[int, int]] = {}  # fused computation -> {param index: bytes read}
+    assert entry is not None, "no ENTRY computation"
+    return comps, entry
 
-    def walk(comp: str, times: float) -> None:
-        for _, shape, tail in comps[comp]:
+
+def executed(comps: dict[str, list[Instr]], entry: str) -> Iterator[tuple[Instr, str, float]]:
+    """Every instruction a step runs, with its opcode and how many times per step: loops'
+    bodies counted by their known trip count, calls and conditionals' computations entered,
+    the control instructions themselves left out."""
+
+    def walk(comp: str, times: float) -> Iterator[tuple[Instr, str, float]]:
+        for ins in comps[comp]:
+            tail = ins[2]
             op = tail[: tail.index("(")] if "(" in tail else tail
             if op == "while":
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"', tail)
                 body = re.search(r"body=%([\w.\-]+)", tail)
                 if body:
-                    walk(body.group(1), times * (int(n.group(1)) if n else 1))
+                    yield from walk(body.group(1), times * (int(n.group(1)) if n else 1))
                 continue
             if op in ("call", "conditional"):
                 for c in re.findall(r"(?:to_apply|calls|branch_computations)=\{?%([\w.\-]+)", tail):
-                    walk(c, times)
+                    yield from walk(c, times)
                 continue
-            if op in _FREE or op.startswith(_COLLECTIVE):
-                continue
-            operands = _operands(tail)
-            reads = [sizes.get(o, 0) for o in operands]
-            called = re.search(r"calls=%([\w.\-]+)", tail) if op == "fusion" else None
-            if called:
-                if called.group(1) not in sliced:
-                    sliced[called.group(1)] = _sliced_reads(comps[called.group(1)])
-                for k, b in sliced[called.group(1)].items():
-                    reads[k] = min(reads[k], b)
-            moved = times * (H.array_bytes(shape) + sum(reads))
-            if (op == "fusion" and any(k in tail for k in _GEMM_KINDS)) or (
-                op == "custom-call" and ("gemm" in tail or "matmul" in tail)
-            ):
-                out["gemm"] += moved
-                continue
-            out["all"] += moved
-            if "jvp(" in tail:
-                out["model"] += moved
-            if by is not None:
-                key = "by:" + by(op_name(tail, comps))
-                out[key] = out.get(key, 0.0) + moved
+            yield ins, op, times
 
-    assert entry is not None, "no ENTRY computation"
-    walk(entry, 1.0)
+    yield from walk(entry, 1.0)
+
+
+def traffic(text: str, by: Callable[[str], str] | None = None) -> dict[str, float]:
+    """Bytes read + written by the non-GEMM, non-collective ops of a scheduled HLO module.
+
+    ``by``: also sum them by ``by(op_name)`` (keys ``"by:<key>"``; :func:`op_name`)."""
+    comps, entry = program(text)
+    sizes = {name: H.array_bytes(shape) for ins in comps.values() for name, shape, _ in ins}
+    out = {"all": 0.0, "model": 0.0, "gemm": 0.0}
+    sliced: dict[str, dict[int, int]] = {}  # fused computation -> {param index: bytes read}
+    for (_, shape, tail), op, times in executed(comps, entry):
+        if op in _FREE or op.startswith(_COLLECTIVE):
+            continue
+        operands = _operands(tail)
+        reads = [sizes.get(o, 0) for o in operands]
+        called = re.search(r"calls=%([\w.\-]+)", tail) if op == "fusion" else None
+        if called:
+            if called.group(1) not in sliced:
+                sliced[called.group(1)] = _sliced_reads(comps[called.group(1)])
+            for k, b in sliced[called.group(1)].items():
+                reads[k] = min(reads[k], b)
+        moved = times * (H.array_bytes(shape) + sum(reads))
+        if (op == "fusion" and any(k in tail for k in _GEMM_KINDS)) or (
+            op == "custom-call" and ("gemm" in tail or "matmul" in tail)
+        ):
+            out["gemm"] += moved
+            continue
+        out["all"] += moved
+        if "jvp(" in tail:
+            out["model"] += moved
+        if by is not None:
+            key = "by:" + by(op_name(tail, comps))
+            out[key] = out.get(key, 0.0) + moved
     return out
 
 

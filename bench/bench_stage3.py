@@ -55,7 +55,7 @@ import _harness as H
 import jax
 import jax.numpy as jnp
 import optax
-from bench_remat import _COLLECTIVE, _COMP, _FREE, _GEMM_KINDS, _INSTR, _split_shape, traffic
+from bench_remat import _COLLECTIVE, _FREE, _GEMM_KINDS, executed, program, traffic
 
 import jaxdp
 from jaxdp import DataParallel, DDPConfig, aot
@@ -111,46 +111,21 @@ def part_of(name: str) -> str:
 
 def launches(text: str) -> dict[str, float]:
     """Kernel and library launches of a scheduled GPU program, by kind, per step."""
-    comps: dict[str, list[str]] = {}
-    entry = cur = None
-    for line in text.splitlines():
-        m = _COMP.match(line)
-        if m:
-            cur = comps.setdefault(m.group(1), [])
-            entry = m.group(1) if line.startswith("ENTRY") else entry
-        elif cur is not None and (m := _INSTR.match(line)):
-            cur.append(_split_shape(m.group(2))[1])
     out = dict.fromkeys(("launches", "gemm", "cudnn", "copy", "collective"), 0.0)
-
-    def walk(comp: str, times: float) -> None:
-        for tail in comps[comp]:
-            op = tail[: tail.index("(")] if "(" in tail else tail
-            if op == "while":
-                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', tail)
-                body = re.search(r"body=%([\w.\-]+)", tail)
-                if body:
-                    walk(body.group(1), times * (int(n.group(1)) if n else 1))
-                continue
-            if op in ("call", "conditional"):
-                for c in re.findall(r"(?:to_apply|calls|branch_computations)=\{?%([\w.\-]+)", tail):
-                    walk(c, times)
-                continue
-            if op in _FREE or op.endswith("-done"):
-                continue
-            out["launches"] += times
-            if op.startswith(_COLLECTIVE):
-                out["collective"] += times
-            elif (op == "fusion" and any(k in tail for k in _GEMM_KINDS)) or (
-                op == "custom-call" and ("gemm" in tail or "matmul" in tail)
-            ):
-                out["gemm"] += times
-            elif op == "custom-call" and "cudnn" in tail:
-                out["cudnn"] += times
-            elif op.startswith("copy") or re.search(r"calls=%[\w.\-]*copy", tail):
-                out["copy"] += times
-
-    assert entry is not None, "no ENTRY computation"
-    walk(entry, 1.0)
+    for (_, _, tail), op, times in executed(*program(text)):
+        if op in _FREE or op.endswith("-done"):
+            continue
+        out["launches"] += times
+        if op.startswith(_COLLECTIVE):
+            out["collective"] += times
+        elif (op == "fusion" and any(k in tail for k in _GEMM_KINDS)) or (
+            op == "custom-call" and ("gemm" in tail or "matmul" in tail)
+        ):
+            out["gemm"] += times
+        elif op == "custom-call" and "cudnn" in tail:
+            out["cudnn"] += times
+        elif op.startswith("copy") or re.search(r"calls=%[\w.\-]*copy", tail):
+            out["copy"] += times
     return out
 
 
