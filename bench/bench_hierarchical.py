@@ -30,6 +30,7 @@ import jax
 import optax
 
 from jaxdp import DataParallel, DDPConfig, aot
+from jaxdp.aot._report import replica_group_size
 
 LAYERS, WIDTH, BATCH, DP = 16, 512, 256, 8
 TOLERANCE = 0.05  # the issue's bound on state per device against the formula
@@ -37,18 +38,9 @@ _DTYPE = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "pred": 1
 
 
 def group_size(line: str) -> int:
-    """Ranks per replica group of one collective's HLO line (every form XLA prints)."""
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len([v for v in m.group(1).split(",") if v])
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\].*?\{([^}]*)\}", line)
-    if m:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
-    return DP  # no groups printed: every rank
+    """Ranks per replica group of one collective's HLO line (every form XLA prints; every
+    rank where none is printed)."""
+    return replica_group_size(line) or DP
 
 
 def bytes_by_level(text: str, g: int) -> dict[int, float]:
