@@ -31,11 +31,9 @@ def gather_levels(x: jax.Array, axis: Any, *, invarying: bool = True) -> jax.Arr
     the instances' level (small, across nodes) and then the instance's (over its fast
     links)."""
     axes = axis if isinstance(axis, tuple) else (axis,)
+    typed = {"to": "invarying"} if invarying else {}
     for a in reversed(axes):
-        if invarying:
-            x = jax.lax.all_gather(x, a, tiled=True, to="invarying")
-        else:
-            x = jax.lax.all_gather(x, a, tiled=True)
+        x = jax.lax.all_gather(x, a, tiled=True, **typed)
     return x
 
 

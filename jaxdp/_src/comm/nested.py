@@ -87,13 +87,10 @@ class PlainOps:
     ):
         self.layout, self.wire, self.group, self.plan = layout, wire, group, plan
         self.axis = group.axes
-        # The ZeRO shards' axes, and (hierarchical groups) the instances' axis: the reduce
-        # within an instance leaves each rank ``chunk`` shards, combined across instances once
-        # per step (outer).
-        self.shard_axes = group.shard_axes
-        self.outer_axis, self.outer_n = group.outer_axis, group.outer_size
-        self.chunk, self.shard_outer = group.outer_chunk, group.shard_outer
-        self.levels = group.levels  # stage 3's gathers transpose into it
+        # The ZeRO shards' axes; with distributed-optimizer instances the reduce within an
+        # instance leaves each rank ``chunk`` shards, combined across instances once per step
+        # (outer).
+        self.shard_axes, self.chunk = group.shard_axes, group.outer_chunk
         self.groups = group.bucket_groups(layout)
         # > 1: the kernel divides the loss by it, so the gradients arrive divided by G x dp
         # already (jaxdp._src.strategy.loss_divisor); the reductions only sum them
@@ -161,12 +158,11 @@ class PlainOps:
     def outer(self, red: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         """The instances' reduced shards combined, once per step (hierarchical groups; the
         identity otherwise): :func:`jaxdp._src.comm.reduce.outer_reduce` per array."""
-        if self.outer_axis is None or self.outer_n == 1:
+        g = self.group
+        if g.outer_axis is None:
             return tuple(red)
         return tuple(
-            outer_reduce(
-                r, self.outer_axis, self.outer_n, self.wire, b.grad_dtype, self.shard_outer
-            )
+            outer_reduce(r, g.outer_axis, g.outer_size, self.wire, b.grad_dtype, g.shard_outer)
             for r, b in zip(red, self.reduce_buckets, strict=True)
         )
 

@@ -259,7 +259,7 @@ class InGrad(Reduction):
 
     def divisors(self, k: Kernel) -> tuple[int, ...]:
         # one per accumulator: per bucket, or per parameter (PerParamOps)
-        return k.ops.per_array(zero3_divisors(k.layout, k.ops.wire, k.g, k.ops.levels))
+        return k.ops.per_array(zero3_divisors(k.layout, k.ops.wire, k.g, k.ops.group.levels))
 
     def setup(self, k: Kernel) -> Any:
         layout, axis = k.layout, k.ops.axis
